@@ -1,0 +1,175 @@
+"""Typed, validated engine configuration (pydantic v2, frozen).
+
+Every invalid value is rejected here, at the edge, with a message that names
+the field and what is allowed. Checks that need the model (heads, layers,
+context length) run in `EngineConfig`, which reads the checkpoint's
+`config.json` once through `ModelConfig.hf_config`.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+
+class ModelConfig(_Frozen):
+    """Which checkpoint to serve and at what precision and length."""
+
+    # The local HF folder (config.json, tokenizer, *.safetensors). The default
+    # model is resolved to its converted folder by `cluster.models.default_model`.
+    path: str = Field(description="local folder of a Hugging Face checkpoint")
+    tokenizer: str | None = Field(default=None, description="tokenizer folder; defaults to path")
+    dtype: DTypeName = "auto"
+    max_model_len: int | None = Field(default=None, ge=1)
+    # Where the model runs; "auto" means CUDA when available, else CPU.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, path: str) -> str:
+        if not os.path.isdir(path):
+            raise ValueError(f"model path {path!r} is not a folder")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"model path {path!r} has no config.json")
+        return path
+
+    @cached_property
+    def hf_config(self) -> Any:
+        """The checkpoint's transformers config (read from disk once, never downloaded)."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path, local_files_only=True)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.path
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The compute dtype: "auto" takes the checkpoint's dtype on CUDA and float32 on CPU."""
+        if self.dtype != "auto":
+            return _TORCH_DTYPES[self.dtype]
+        if self.resolved_device == "cpu":
+            return torch.float32
+        saved = getattr(self.hf_config, "dtype", None) or getattr(
+            self.hf_config, "torch_dtype", None
+        )
+        if isinstance(saved, str):
+            saved = _TORCH_DTYPES.get(saved)
+        return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(getattr(self.hf_config, "max_position_embeddings", 2048))
+
+    @property
+    def resolved_max_model_len(self) -> int:
+        return self.max_model_len or self.max_position_embeddings
+
+
+class ParallelConfig(_Frozen):
+    """How the target is split: tensor shards within a stage, pipeline stages across layers."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def distributed_backend(self) -> str:
+        """nccl when CUDA is available, gloo otherwise (unless set explicitly)."""
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class CacheConfig(_Frozen):
+    """The paged KV cache: block size and how much memory it may take."""
+
+    block_size: int = Field(default=16, ge=1, le=1024)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    # Memory for KV blocks on CPU, where there is no device to measure.
+    cpu_kv_cache_gib: float = Field(default=1.0, gt=0.0)
+    # Overrides the measured number of KV blocks (tests use it to force preemption).
+    num_kv_blocks: int | None = Field(default=None, ge=1)
+
+
+class SchedulerConfig(_Frozen):
+    """The per-step token budget."""
+
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    enable_chunked_prefill: bool = True
+
+
+class EngineConfig(_Frozen):
+    """Everything one engine needs; cross-checks the parts against the model."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = ParallelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_against_model(self) -> EngineConfig:
+        hf = self.model.hf_config
+        tp = self.parallel.tensor_parallel_size
+        num_heads = int(hf.num_attention_heads)
+        num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or num_heads)
+        if num_heads % tp:
+            allowed = [n for n in range(1, num_heads + 1) if num_heads % n == 0]
+            raise ValueError(
+                f"parallel.tensor_parallel_size={tp} must divide the model's "
+                f"num_attention_heads={num_heads} (allowed: {allowed})"
+            )
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(
+                f"parallel.tensor_parallel_size={tp} must divide the model's "
+                f"num_key_value_heads={num_kv_heads} or be a multiple of it"
+            )
+        num_layers = int(hf.num_hidden_layers)
+        pp = self.parallel.pipeline_parallel_size
+        if pp > num_layers:
+            raise ValueError(
+                f"parallel.pipeline_parallel_size={pp} exceeds the model's "
+                f"num_hidden_layers={num_layers}"
+            )
+        max_len = self.model.resolved_max_model_len
+        if max_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"model.max_model_len={max_len} exceeds the model's "
+                f"max_position_embeddings={self.model.max_position_embeddings}"
+            )
+        sched = self.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
+            raise ValueError(
+                f"scheduler.max_num_batched_tokens={sched.max_num_batched_tokens} must be at "
+                f"least max_model_len={max_len} when chunked prefill is off"
+            )
+        return self

@@ -1,0 +1,187 @@
+"""Llama-architecture target model (Llama-2/3, SmolLM2) on tensor-parallel layers.
+
+`forward` takes the flattened new tokens of several sequences and returns the
+final-norm hidden state of every token (plus, when asked, the residual stream
+entering chosen layers, which EAGLE-3 reads). `compute_logits` is separate so
+the caller picks which rows need logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from cluster.models.attention import AttentionMetadata, attention
+from cluster.models.layers import RMSNorm, silu_and_mul
+from cluster.models.rotary import RotaryEmbedding, rope_parameters
+from cluster.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    ParallelState,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+
+def head_dim_of(config: Any) -> int:
+    return int(
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: Any, layer_idx: int, state: ParallelState, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = head_dim_of(config)
+        bias = bool(getattr(config, "attention_bias", False))
+        num_kv_heads = int(
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        )
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            num_kv_heads,
+            state,
+            bias,
+            dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, state, bias, dtype=dtype
+        )
+        theta, scaling = rope_parameters(config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, theta, scaling)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [num_tokens, (heads + 2 * kv_heads) * head_dim] (local)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.qkv_proj.num_heads, self.head_dim)
+        k = k.view(-1, self.qkv_proj.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.qkv_proj.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(attention(q, k, v, self.layer_idx, meta, self.scale))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, state: ParallelState, dtype: torch.dtype) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+        bias = bool(getattr(config, "mlp_bias", False))
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], state, bias, dtype
+        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, state, bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: Any, layer_idx: int, state: ParallelState, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, state, dtype)
+        self.mlp = LlamaMLP(config, state, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, state: ParallelState, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, state, dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, state, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        aux_hidden_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+        aux: list[torch.Tensor] = []
+        for idx, layer in enumerate(self.layers):
+            if idx in aux_hidden_layers:
+                aux.append(hidden if residual is None else hidden + residual)
+            hidden, residual = layer(meta.positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, aux
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name piece -> (our parameter name piece, shard id)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # checkpoint tensors that carry no parameters
+    ignored_checkpoint_tensors = ("rotary_emb.inv_freq",)
+
+    def __init__(
+        self, config: Any, state: ParallelState, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.state = state
+        self.model = LlamaModel(config, state, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, state, dtype=dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        aux_hidden_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids: [num_tokens] -> final-norm hidden [num_tokens, hidden].
+
+        With `aux_hidden_layers`, also returns the residual stream entering each of those
+        layers (transformers' `hidden_states[i]`), in the given layer order.
+        """
+        hidden, aux = self.model(input_ids, meta, tuple(aux_hidden_layers))
+        if not aux_hidden_layers:
+            return hidden
+        order = sorted(aux_hidden_layers)
+        return hidden, [aux[order.index(i)] for i in aux_hidden_layers]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float logits, gathered on every TP rank."""
+        return self.lm_head(hidden)

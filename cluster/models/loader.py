@@ -1,0 +1,112 @@
+"""Load an HF safetensors checkpoint into a (sharded) model.
+
+Every checkpoint tensor is handed to its parameter's `weight_loader` as a
+`LazyTensor`, so each rank reads only the slice it keeps. The model declares
+its name mapping (`packed_modules_mapping`, `ignored_checkpoint_tensors`); this
+file knows nothing about any architecture.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from cluster.config import ModelConfig
+from cluster.models.registry import model_class_for
+from cluster.parallel import ParallelState
+from cluster.parallel.weights import LazyTensor, default_weight_loader
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The checkpoint's safetensors files (from the index when there is one)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint folder {path!r} does not exist")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, n) for n in names]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"files named in {index} are missing: {missing}")
+        return files
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+    return files
+
+
+def iterate_checkpoint(path: str, stack: ExitStack) -> Iterator[LazyTensor]:
+    """Every tensor of the checkpoint as a LazyTensor (files stay open while `stack` is)."""
+    for file in checkpoint_files(path):
+        handle = stack.enter_context(safe_open(file, framework="pt"))
+        for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            tensor_slice = handle.get_slice(name)
+            shape = tuple(tensor_slice.get_shape())
+
+            def read(slices: tuple[slice, ...], s=tensor_slice) -> torch.Tensor:
+                return s[slices] if slices else s[:]
+
+            yield LazyTensor(name, shape, read)
+
+
+def load_weights(model: nn.Module, path: str, show_progress: bool = True) -> None:
+    """Fill every parameter of `model` from the checkpoint at `path`."""
+    params = dict(model.named_parameters())
+    packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+    ignored: tuple[str, ...] = getattr(model, "ignored_checkpoint_tensors", ())
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    loaded: dict[str, set[object]] = {}  # parameter -> shard ids filled (None: whole)
+    with ExitStack() as stack:
+        tensors = list(iterate_checkpoint(path, stack))
+        for tensor in tqdm(tensors, desc="Loading weights", disable=not show_progress):
+            name = tensor.name
+            if any(piece in name for piece in ignored) or (tied and name == "lm_head.weight"):
+                continue
+            param_name, shard_id = name, None
+            for ckpt_piece, (param_piece, packed_shard) in packed.items():
+                if f".{ckpt_piece}." in name:
+                    param_name = name.replace(f".{ckpt_piece}.", f".{param_piece}.")
+                    shard_id = packed_shard
+                    break
+            if param_name not in params:
+                logger.warning("checkpoint tensor %s has no parameter in the model; skipped", name)
+                continue
+            param = params[param_name]
+            if shard_id is None:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)
+            loaded.setdefault(param_name, set()).add(shard_id)
+    missing = [name for name in params if _expected_shards(name, packed) - loaded.get(name, set())]
+    if missing:
+        raise ValueError(f"checkpoint {path!r} is missing tensors for: {missing[:20]}")
+
+
+def _expected_shards(param_name: str, packed: dict[str, tuple[str, object]]) -> set[object]:
+    shards = {shard for piece, shard in packed.values() if f".{piece}." in param_name}
+    return shards or {None}
+
+
+def load_model(
+    model_config: ModelConfig, state: ParallelState, show_progress: bool | None = None
+) -> nn.Module:
+    """Build the target for `model_config` with this rank's shards loaded, in eval mode."""
+    hf_config = model_config.hf_config
+    cls = model_class_for(hf_config)
+    with torch.device(state.device):
+        model = cls(hf_config, state, model_config.torch_dtype)
+    show = (state.rank == 0) if show_progress is None else show_progress
+    load_weights(model, model_config.path, show_progress=show)
+    return model.eval()

@@ -1,0 +1,207 @@
+"""Tensor-parallel linear layers (Megatron layout).
+
+Each layer allocates only its rank's shard and owns exactly one piece of
+sharding knowledge: its `weight_loader`, which cuts the full checkpoint tensor
+for this rank. Weights are `[out_features, in_features]` as in `nn.Linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cluster.parallel.comm import all_gather, all_reduce
+from cluster.parallel.state import ParallelState
+from cluster.parallel.weights import TensorLike, copy_shard
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(
+            f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}"
+        )
+    return numerator // denominator
+
+
+class LinearBase(nn.Module):
+    """Holds the local weight `[out_local, in_local]` and optional bias; `tp_dim` is the split dim."""
+
+    tp_dim: int | None = None
+
+    def __init__(
+        self,
+        in_local: int,
+        out_local: int,
+        bias: bool,
+        state: ParallelState,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.state = state
+        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
+        self.weight = nn.Parameter(
+            torch.empty(out_local, in_local, dtype=dtype), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_local, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: TensorLike) -> None:
+        dim = self.tp_dim if self.tp_dim is not None and self.tp_dim < param.dim() else None
+        if dim is None:
+            copy_shard(param.data, loaded)
+        else:
+            shard = param.shape[dim]
+            copy_shard(param.data, loaded, dim, self.tp_rank * shard, shard)
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        state: ParallelState,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, state, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; `gather_output` concatenates them back."""
+
+    tp_dim = 0
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        state: ParallelState,
+        bias: bool = False,
+        gather_output: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        out_local = _divide(out_features, state.tp_size, "out_features")
+        super().__init__(in_features, out_local, bias, state, dtype)
+        self.gather_output = gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # [num_tokens, out_local]
+        return all_gather(y, self.state, dim=-1) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate and up); `shard_id` picks the part."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        state: ParallelState,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(in_features, sum(output_sizes), state, bias, dtype=dtype)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: TensorLike, shard_id: int | None = None
+    ) -> None:
+        if shard_id is None:
+            raise ValueError("MergedColumnParallelLinear needs a shard_id (which output part)")
+        part_local = self.output_sizes[shard_id] // self.tp_size
+        offset_local = sum(self.output_sizes[:shard_id]) // self.tp_size
+        dst = param.data.narrow(0, offset_local, part_local)
+        copy_shard(dst, loaded, 0, self.tp_rank * part_local, part_local)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projections, grouped-query aware.
+
+    Query heads are split across ranks. KV heads are split when the TP size divides
+    them; when the TP size is a multiple of them, each KV head is replicated on
+    `tp_size // num_kv_heads` consecutive ranks.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        state: ParallelState,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        tp = state.tp_size
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads % tp == 0:
+            self.num_kv_heads, self.kv_replicas = num_kv_heads // tp, 1
+        elif tp % num_kv_heads == 0:
+            self.num_kv_heads, self.kv_replicas = 1, tp // num_kv_heads
+        else:
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide num_key_value_heads={num_kv_heads} "
+                "or be a multiple of it"
+            )
+        out_local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden_size, out_local, bias, state, dtype)
+        self.gather_output = False
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: TensorLike, shard_id: str | None = None
+    ) -> None:
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
+        else:
+            raise ValueError(
+                f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
+            )
+        copy_shard(param.data.narrow(0, offset, size), loaded, 0, rank * size, size)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks (the input is already split); outputs all-reduced.
+
+    The bias is added once, on TP rank 0, before the reduction.
+    """
+
+    tp_dim = 1
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        state: ParallelState,
+        bias: bool = False,
+        reduce_results: bool = True,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        in_local = _divide(in_features, state.tp_size, "in_features")
+        super().__init__(in_local, out_features, bias, state, dtype)
+        self.reduce_results = reduce_results
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return all_reduce(y, self.state) if self.reduce_results else y
