@@ -1,7 +1,12 @@
 """`cluster`: a speculative-decoding LLM server for Ray Serve.
 
-The public offline API (`LLM`, `SamplingParams`) arrives with the engine; for
-now the package exposes its configuration types and the target models.
+Offline use follows vLLM: `LLM(model).generate(prompts, SamplingParams(...))`.
 """
 
+from cluster.llm import LLM
+from cluster.outputs import CompletionOutput, RequestOutput
+from cluster.sampling_params import SamplingParams
+
 __version__ = "0.1.0"
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

@@ -173,3 +173,46 @@ class EngineConfig(_Frozen):
                 f"least max_model_len={max_len} when chunked prefill is off"
             )
         return self
+
+
+# Flat engine arguments (vLLM's names) -> (section, field).
+_FLAT_ARGS = {
+    "tokenizer": ("model", "tokenizer"),
+    "dtype": ("model", "dtype"),
+    "max_model_len": ("model", "max_model_len"),
+    "device": ("model", "device"),
+    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+    "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
+    "distributed_backend": ("parallel", "backend"),
+    "block_size": ("cache", "block_size"),
+    "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
+    "cpu_kv_cache_gib": ("cache", "cpu_kv_cache_gib"),
+    "num_kv_blocks": ("cache", "num_kv_blocks"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
+}
+
+
+def engine_config_from_args(model: str, seed: int = 0, **kwargs: Any) -> EngineConfig:
+    """Build an `EngineConfig` from flat keyword arguments; unknown names are refused."""
+    unknown = sorted(set(kwargs) - set(_FLAT_ARGS))
+    if unknown:
+        raise ValueError(f"unknown engine arguments: {unknown} (allowed: {sorted(_FLAT_ARGS)})")
+    sections: dict[str, dict[str, Any]] = {
+        "model": {"path": model},
+        "parallel": {},
+        "cache": {},
+        "scheduler": {},
+    }
+    for name, value in kwargs.items():
+        if value is not None:
+            section, field_name = _FLAT_ARGS[name]
+            sections[section][field_name] = value
+    return EngineConfig(
+        model=ModelConfig(**sections["model"]),
+        parallel=ParallelConfig(**sections["parallel"]),
+        cache=CacheConfig(**sections["cache"]),
+        scheduler=SchedulerConfig(**sections["scheduler"]),
+        seed=seed,
+    )

@@ -58,3 +58,17 @@ def hf_logits(model: LlamaForCausalLM, seqs: list[torch.Tensor]) -> list[torch.T
     """transformers' logits for each sequence alone: list of [len, vocab]."""
     with torch.no_grad():
         return [model(s[None]).logits[0] for s in seqs]
+
+
+def make_tiny_chat_model(
+    path: str, tokenizer_path: str, seed: int = 0, **overrides: Any
+) -> LlamaForCausalLM:
+    """A tiny random Llama sharing the default model's tokenizer (vocab 49152), so the
+    engine's text paths (chat template, detokenization, stop strings) run on it."""
+    from transformers import AutoTokenizer
+
+    overrides.setdefault("vocab_size", 49152)
+    overrides.setdefault("eos_token_id", 2)
+    model = make_tiny_llama(path, seed=seed, **overrides)
+    AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(path)
+    return model

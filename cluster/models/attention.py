@@ -1,30 +1,35 @@
-"""Attention over flattened sequences, with a small KV-cache interface.
+"""Attention over flattened sequences, behind a small KV-cache interface.
 
 A batch is the concatenation of several sequences' new tokens (no padding).
 `AttentionMetadata.query_start_loc` marks where each sequence's tokens start and
-`seq_lens` gives each sequence's full context length after this step. The KV
-cache is behind `KVCache` (write this step's keys/values, read a sequence's
-context); `ContiguousKVCache` keeps one contiguous row per sequence slot. The
-engine's paged cache implements the same two methods.
+`seq_lens` gives each sequence's full context length after this step. A KV cache
+implements `attend`: store this step's keys and values, then attend each new
+token over its sequence's context. `ContiguousKVCache` keeps one contiguous row
+per sequence slot; the engine's `PagedKVCache` (cluster/worker/kv_cache.py) uses
+blocks. Without a cache, every sequence is computed from scratch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
+
+from cluster.kernels.paged_attention import causal_attention
 
 
 class KVCache(Protocol):
-    def write(
-        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> None: ...
-
-    def read(
-        self, layer_idx: int, seq_idx: int, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -33,7 +38,9 @@ class AttentionMetadata:
     seq_lens: list[int]  # [num_seqs] context length (cached + new) per sequence
     positions: torch.Tensor  # [num_tokens] position of every new token
     kv_cache: KVCache | None = None
-    cache_slots: list[int] | None = None  # [num_seqs] cache row of each sequence (contiguous cache)
+    cache_slots: list[int] | None = None  # [num_seqs] row of each sequence (contiguous cache)
+    slot_mapping: torch.Tensor | None = None  # [num_tokens] cache slot of each token (paged)
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] (paged)
 
     @staticmethod
     def for_prefill(seq_lens: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
@@ -47,6 +54,25 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def query_lens(self) -> list[int]:
+        return [self.query_start_loc[i + 1] - self.query_start_loc[i] for i in range(self.num_seqs)]
+
+
+def attention_per_sequence(
+    q: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    context: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """Each sequence's new queries over the keys/values `context(i)` returns for it."""
+    out = torch.empty_like(q)
+    for i in range(meta.num_seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        if end > start:
+            seq_k, seq_v = context(i)
+            out[start:end] = causal_attention(q[start:end], seq_k, seq_v, scale)
+    return out
 
 
 class ContiguousKVCache:
@@ -66,29 +92,28 @@ class ContiguousKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
-    def _token_slots(self, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         if meta.cache_slots is None:
             raise ValueError("ContiguousKVCache needs AttentionMetadata.cache_slots")
-        counts = torch.tensor(
-            [meta.query_start_loc[i + 1] - meta.query_start_loc[i] for i in range(meta.num_seqs)]
-        )
-        return torch.repeat_interleave(torch.tensor(meta.cache_slots), counts).to(
-            meta.positions.device
-        )
+        counts = torch.tensor(meta.query_lens())
+        token_slots = torch.repeat_interleave(torch.tensor(meta.cache_slots), counts)
+        k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
+        k_cache[token_slots.to(k.device), meta.positions] = k
+        v_cache[token_slots.to(k.device), meta.positions] = v
 
-    def write(
-        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> None:
-        slots = self._token_slots(meta)
-        self.k[layer_idx][slots, meta.positions] = k
-        self.v[layer_idx][slots, meta.positions] = v
+        def context(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            slot, length = meta.cache_slots[i], meta.seq_lens[i]
+            return k_cache[slot, :length], v_cache[slot, :length]
 
-    def read(
-        self, layer_idx: int, seq_idx: int, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert meta.cache_slots is not None
-        slot, length = meta.cache_slots[seq_idx], meta.seq_lens[seq_idx]
-        return self.k[layer_idx][slot, :length], self.v[layer_idx][slot, :length]
+        return attention_per_sequence(q, meta, scale, context)
 
 
 def attention(
@@ -105,26 +130,10 @@ def attention(
     returns [num_tokens, heads * head_dim].
     """
     if meta.kv_cache is not None:
-        meta.kv_cache.write(layer_idx, k, v, meta)
-    out = torch.empty_like(q)
-    for i in range(meta.num_seqs):
-        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        if end == start:
-            continue
-        if meta.kv_cache is not None:
-            seq_k, seq_v = meta.kv_cache.read(layer_idx, i, meta)
-        else:
-            seq_k, seq_v = k[start:end], v[start:end]
-        # [1, heads, n, head_dim]; grouped-query heads are matched inside SDPA (enable_gqa).
-        seq_q, seq_k, seq_v = (t.transpose(0, 1)[None] for t in (q[start:end], seq_k, seq_v))
-        n_q, n_k = end - start, seq_k.shape[2]
-        if n_q == n_k:  # the whole sequence is new: plain causal attention
-            mask, causal = None, True
-        else:  # query j sits at context position n_k - n_q + j and sees keys up to it
-            mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
-            causal = False
-        o = F.scaled_dot_product_attention(
-            seq_q, seq_k, seq_v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        out = meta.kv_cache.attend(layer_idx, q, k, v, meta, scale)
+    else:
+        starts = meta.query_start_loc
+        out = attention_per_sequence(
+            q, meta, scale, lambda i: (k[starts[i] : starts[i + 1]], v[starts[i] : starts[i + 1]])
         )
-        out[start:end] = o[0].transpose(0, 1)
     return out.reshape(q.shape[0], -1)

@@ -1,0 +1,136 @@
+"""Paged attention: the Triton kernel against the torch reference, on CUDA.
+
+Two batches over a shuffled block pool (block size 16, 32 query heads over 8 KV heads,
+head_dim 128, bfloat16):
+- decode: 64 sequences, one new token each, 1024 tokens of context;
+- prefill chunk: 4 sequences, 512 new tokens each after 1536 cached tokens.
+Prints a markdown table of median latencies and the effective memory bandwidth: bytes that
+must move at least once (every context key and value, the queries and the output) divided
+by the latency. Decode is bandwidth-bound, so its GB/s is the figure to compare with the
+GPU's peak; the prefill chunk is compute-bound and its GB/s is only indicative.
+Without CUDA it says so, times the torch reference on a small float32 case and exits 0.
+
+    python benchmarks/paged_attention.py [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+from itertools import pairwise
+
+import torch
+
+from cluster.kernels.paged_attention import paged_attention_ref
+from cluster.kernels.paged_attention_triton import paged_attention_triton
+
+
+def make_batch(
+    num_seqs: int,
+    context: int,
+    new: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+) -> dict:
+    """`num_seqs` sequences of `context + new` tokens, `new` of them queries, random data."""
+    seq_len = context + new
+    blocks_per_seq = -(-seq_len // block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    block_tables = torch.randperm(num_blocks, device=device).view(num_seqs, blocks_per_seq)
+    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+    return {
+        "q": torch.randn(num_seqs * new, heads, head_dim, dtype=dtype, device=device),
+        "k_cache": torch.randn(cache_shape, dtype=dtype, device=device),
+        "v_cache": torch.randn(cache_shape, dtype=dtype, device=device),
+        "block_tables": block_tables.to(torch.int32),  # [num_seqs, blocks_per_seq]
+        "seq_lens": [seq_len] * num_seqs,
+        "query_start_loc": list(range(0, num_seqs * new + 1, new)),
+        "scale": 1.0 / math.sqrt(head_dim),
+    }
+
+
+def bytes_moved(batch: dict) -> int:
+    """Context keys and values read once, queries read once, output written once."""
+    k_cache, q = batch["k_cache"], batch["q"]
+    kv_heads, head_dim = k_cache.shape[2:]
+    kv = 2 * sum(batch["seq_lens"]) * kv_heads * head_dim * k_cache.element_size()
+    return kv + 2 * q.numel() * q.element_size()
+
+
+def median_ms(fn: Callable[[], object], sync: Callable[[], object], repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def triton_call(batch: dict) -> Callable[[], torch.Tensor]:
+    device = batch["q"].device
+    seq_lens = torch.tensor(batch["seq_lens"], dtype=torch.int32, device=device)
+    query_start_loc = torch.tensor(batch["query_start_loc"], dtype=torch.int32, device=device)
+    max_query_len = max(b - a for a, b in pairwise(batch["query_start_loc"]))
+    return lambda: paged_attention_triton(
+        batch["q"],
+        batch["k_cache"],
+        batch["v_cache"],
+        batch["block_tables"],
+        seq_lens,
+        query_start_loc,
+        batch["scale"],
+        max_query_len,
+    )
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+
+    if not torch.cuda.is_available():
+        print("CUDA is needed to time the Triton kernel; timing the torch reference only.\n")
+        batch = make_batch(8, 256, 1, 8, 2, 64, 16, torch.float32, "cpu")
+        ms = median_ms(lambda: paged_attention_ref(**batch), lambda: None, args.repeats)
+        gbs = bytes_moved(batch) / ms / 1e6
+        print("| case | torch (ms) | torch GB/s |")
+        print("|---|---:|---:|")
+        print(f"| decode 8 x 256 ctx, 8/2 heads, d64, fp32, cpu | {ms:.2f} | {gbs:.3f} |")
+        return
+
+    torch.manual_seed(0)
+    cases = {
+        "decode 64 x 1024 ctx": (64, 1024, 1),
+        "prefill chunk 4 x 512 new after 1536": (4, 1536, 512),
+    }
+    print(f"{torch.cuda.get_device_name()}, bf16, 32 heads / 8 KV heads, head_dim 128, block 16\n")
+    print("| case | Triton (ms) | torch (ms) | speed-up | Triton GB/s | torch GB/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, (num_seqs, context, new) in cases.items():
+        batch = make_batch(num_seqs, context, new, 32, 8, 128, 16, torch.bfloat16, "cuda")
+        sync = torch.cuda.synchronize
+        t_triton = median_ms(triton_call(batch), sync, args.repeats)
+        t_torch = median_ms(lambda batch=batch: paged_attention_ref(**batch), sync, args.repeats)
+        moved = bytes_moved(batch)
+        print(
+            f"| {name} | {t_triton:.3f} | {t_torch:.3f} | {t_torch / t_triton:.1f}x "
+            f"| {moved / t_triton / 1e6:.0f} | {moved / t_torch / 1e6:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""`EngineCore`: the scheduler and KV accounting driving an executor, one step at a time.
+
+No tokenizer, no text: token ids in, token ids out. The Ray scheduler actor hosts this
+same object; the offline and async engines host it in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from cluster.config import EngineConfig
+from cluster.engine.block_manager import KVBlockManager
+from cluster.engine.executor import Executor
+from cluster.engine.messages import EngineCoreOutput
+from cluster.engine.request import Request
+from cluster.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(
+        self, config: EngineConfig, executor: Executor, num_speculative_tokens: int = 0
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        num_blocks = config.cache.num_kv_blocks or executor.available_kv_blocks()
+        max_len = config.model.resolved_max_model_len
+        if num_blocks * config.cache.block_size < max_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {config.cache.block_size} tokens, "
+                f"fewer than one sequence of max_model_len={max_len} needs; raise "
+                "cache.cpu_kv_cache_gib / gpu_memory_utilization or lower max_model_len"
+            )
+        executor.initialize_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
+        self.block_manager = KVBlockManager(num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, max_len, num_speculative_tokens
+        )
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def finish_by_stop_string(self, request_id: str, stop: str) -> None:
+        self.scheduler.finish_by_stop_string(request_id, stop)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled and not scheduler_output.freed_req_ids:
+            return []
+        runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

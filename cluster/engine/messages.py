@@ -1,0 +1,125 @@
+"""What crosses from the engine core to the workers and back, every step.
+
+Plain typed records with msgpack encode/decode (no pickled objects on this path):
+`SchedulerOutput` goes to every worker; `ModelRunnerOutput` comes back from the one
+worker that reports (TP rank 0 of the last pipeline stage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+
+from cluster.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the workers have not seen (or see again after a preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when a preempted request resumes
+    sampling_params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of this step, in batch order."""
+
+    req_id: str
+    token_ids: list[int]  # tokens to compute now: a prompt chunk, the last sampled token, drafts
+    num_computed_tokens: int  # position of token_ids[0]
+    num_spec_tokens: int  # the last `num_spec_tokens` of token_ids are drafts to verify
+    new_block_ids: list[int]  # blocks appended to the request's block table this step
+    sample: bool  # False while a prompt is only partly computed: no token is sampled
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Requests finished, aborted or preempted since the last step: workers drop their state.
+    freed_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    def encode(self) -> bytes:
+        data = asdict(self)
+        for new, req in zip(data["new_requests"], self.new_requests, strict=True):
+            new["sampling_params"] = req.sampling_params.model_dump()
+        return msgpack.packb(data)
+
+    @staticmethod
+    def decode(payload: bytes) -> SchedulerOutput:
+        data = msgpack.unpackb(payload)
+        return SchedulerOutput(
+            step_id=data["step_id"],
+            new_requests=[
+                NewRequestData(
+                    req_id=d["req_id"],
+                    prompt_token_ids=d["prompt_token_ids"],
+                    output_token_ids=d["output_token_ids"],
+                    sampling_params=SamplingParams(**d["sampling_params"]),
+                )
+                for d in data["new_requests"]
+            ],
+            scheduled=[ScheduledRequest(**d) for d in data["scheduled"]],
+            freed_req_ids=data["freed_req_ids"],
+        )
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs of one sampled token: ids[0] is the token itself, then the top-n."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    step_id: int
+    req_ids: list[str]
+    # Per scheduled request: accepted drafts then the recovered or bonus token; [] when
+    # nothing was sampled (a partial prefill).
+    sampled_token_ids: list[list[int]]
+    # Per request, per sampled token (only for requests that asked for logprobs).
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Per request, drafts for the next step (empty when speculation is off).
+    draft_token_ids: list[list[int]] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        return msgpack.packb(asdict(self))
+
+    @staticmethod
+    def decode(payload: bytes) -> ModelRunnerOutput:
+        data: dict[str, Any] = msgpack.unpackb(payload)
+        data["logprobs"] = {
+            req_id: [TokenLogprobs(**t) for t in tokens]
+            for req_id, tokens in data["logprobs"].items()
+        }
+        return ModelRunnerOutput(**data)
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """What one step produced for one request (the engine core's output, per request)."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_draft_tokens: int = 0  # drafts verified this step
+    num_accepted_tokens: int = 0  # of which accepted
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,261 @@
+"""The token-budget scheduler: no prefill or decode phases, only tokens to compute.
+
+Every request has `num_computed_tokens` and `num_tokens_with_spec` (prompt + output +
+draft tokens). Each step hands out at most `max_num_batched_tokens` tokens so computed
+catches up with that: running requests first (decode tokens, drafts, the rest of a
+chunked prompt), then waiting requests in arrival order (FCFS) while sequences and
+KV blocks last. When blocks run out, the most recently admitted running request is
+preempted: its blocks are freed and it is recomputed later from scratch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from cluster.config import SchedulerConfig
+from cluster.engine.block_manager import KVBlockManager
+from cluster.engine.messages import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from cluster.engine.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: KVBlockManager,
+        max_model_len: int,
+        num_speculative_tokens: int = 0,
+    ) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.max_model_len = max_model_len
+        self.num_speculative_tokens = num_speculative_tokens
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._freed: list[str] = []  # to tell the workers at the next step
+        self._known_to_workers: set[str] = set()
+        self._step_id = 0
+        self.num_preemptions = 0  # total, for metrics and tests
+        self._preempted_this_step = False
+
+    # ---- requests in and out -------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        outputs = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            request.finish(FinishReason.ABORT)
+            self._release(request)
+            outputs.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT.value))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def _release(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.free(request.request_id)
+        del self.requests[request.request_id]
+        if request.request_id in self._known_to_workers:
+            self._known_to_workers.discard(request.request_id)
+            self._freed.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._preempted_this_step = True
+        self.waiting.appendleft(request)
+        if request.request_id in self._known_to_workers:
+            self._known_to_workers.discard(request.request_id)
+            self._freed.append(request.request_id)
+
+    # ---- one step --------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        new_requests: list[NewRequestData] = []
+        self._preempted_this_step = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            num_new = min(num_new, self.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                index += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new)
+            if new_blocks is None:  # the request itself was preempted
+                break
+            scheduled.append(self._scheduled(request, num_new, new_blocks))
+            budget -= num_new
+            index += 1
+
+        # Admit waiting requests (none in a step that had to preempt).
+        while (
+            self.waiting
+            and budget > 0
+            and not self._preempted_this_step
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.blocks.allocate(
+                request.request_id, request.num_computed_tokens + num_new
+            )
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            new_requests.append(
+                NewRequestData(
+                    request.request_id,
+                    list(request.prompt_token_ids),
+                    list(request.output_token_ids),
+                    request.sampling_params,
+                )
+            )
+            self._known_to_workers.add(request.request_id)
+            scheduled.append(self._scheduled(request, num_new, new_blocks))
+            budget -= num_new
+
+        self._step_id += 1
+        freed, self._freed = self._freed, []
+        return SchedulerOutput(self._step_id, new_requests, scheduled, freed)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
+        """Blocks for `num_new` more tokens, preempting from the back of `running` as needed.
+        None when `request` itself had to be preempted."""
+        while True:
+            new_blocks = self.blocks.allocate(
+                request.request_id, request.num_computed_tokens + num_new
+            )
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return None
+
+    def _scheduled(self, request: Request, num_new: int, new_blocks: list[int]) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        num_spec = max(0, start + num_new - request.num_tokens)
+        if num_spec < len(request.spec_token_ids):  # trimmed by the budget
+            request.spec_token_ids = request.spec_token_ids[:num_spec]
+        return ScheduledRequest(
+            req_id=request.request_id,
+            token_ids=request.token_ids(start, start + num_new),
+            num_computed_tokens=start,
+            num_spec_tokens=num_spec,
+            new_block_ids=new_blocks,
+            sample=start + num_new >= request.num_tokens,
+        )
+
+    # ---- applying the result ---------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
+        drafts = dict(zip(runner_output.req_ids, runner_output.draft_token_ids, strict=False))
+        for item in scheduler_output.scheduled:
+            request = self.requests.get(item.req_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(item.token_ids)
+            generated = sampled.get(item.req_id, [])
+            num_accepted = 0
+            if item.num_spec_tokens:
+                num_accepted = max(0, len(generated) - 1)
+                # KV of rejected drafts is simply overwritten later.
+                request.num_computed_tokens -= item.num_spec_tokens - num_accepted
+            request.spec_token_ids = []
+            new_tokens = self._append_checking_stops(request, generated)
+            logprobs = runner_output.logprobs.get(item.req_id)
+            if logprobs is not None:
+                logprobs = logprobs[: len(new_tokens)]
+            if not request.is_finished and drafts.get(item.req_id):
+                request.spec_token_ids = self._limit_drafts(request, drafts[item.req_id])
+            if new_tokens or request.is_finished:
+                outputs.append(
+                    EngineCoreOutput(
+                        item.req_id,
+                        new_tokens,
+                        logprobs,
+                        request.finish_reason.value if request.finish_reason else None,
+                        request.stop_reason,
+                        item.num_spec_tokens,
+                        num_accepted,
+                    )
+                )
+            if request.is_finished:
+                self._release(request)
+        return outputs
+
+    def _append_checking_stops(self, request: Request, generated: list[int]) -> list[int]:
+        """Append tokens one by one, stopping at the first that ends the request."""
+        params = request.sampling_params
+        appended: list[int] = []
+        for token in generated:
+            request.output_token_ids.append(token)
+            appended.append(token)
+            if not params.ignore_eos and token == request.eos_token_id:
+                request.finish(FinishReason.STOP)
+            elif token in params.stop_token_ids:
+                request.finish(FinishReason.STOP, stop_reason=token)
+            elif (
+                request.max_tokens is not None
+                and len(request.output_token_ids) >= request.max_tokens
+            ) or request.num_tokens >= self.max_model_len:
+                request.finish(FinishReason.LENGTH)
+            if request.is_finished:
+                break
+        return appended
+
+    def _limit_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """No drafts past max_tokens (a step yields drafts + 1 tokens) or max_model_len."""
+        room = self.max_model_len - request.num_tokens
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
+        return list(drafts[: max(0, room)])
+
+    def finish_by_stop_string(self, request_id: str, stop: str) -> None:
+        """The output processor saw a stop string in the text: end the request."""
+        request = self.requests.get(request_id)
+        if request is not None and not request.is_finished:
+            request.finish(FinishReason.STOP, stop_reason=stop)
+            self._release(request)

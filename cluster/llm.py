@@ -1,0 +1,156 @@
+"""The offline API, following vLLM's names: `LLM(...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from cluster.config import EngineConfig, engine_config_from_args
+from cluster.engine.core import EngineCore
+from cluster.engine.executor import Executor
+from cluster.engine.input_processor import Prompt
+from cluster.engine.llm_engine import LLMEngine
+from cluster.outputs import RequestOutput
+from cluster.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, str]]
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """In-process for one rank, spawned local processes for tensor parallelism."""
+    from cluster.worker.executors import InProcessExecutor, MultiprocExecutor
+
+    if config.parallel.world_size == 1:
+        return InProcessExecutor(config)
+    return MultiprocExecutor(config)
+
+
+def build_engine(config: EngineConfig, executor: Executor | None = None) -> LLMEngine:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
+    core = EngineCore(config, executor or make_executor(config))
+    return LLMEngine(core, tokenizer, int(config.model.hf_config.vocab_size))
+
+
+class LLM:
+    """An engine in this process. `model=None` serves the embedded default model."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        speculative_config: dict[str, Any] | None = None,
+        seed: int = 0,
+        **engine_args: Any,
+    ) -> None:
+        if speculative_config is not None:
+            raise NotImplementedError("speculative_config is not supported yet (issue 5)")
+        if model is None:
+            from cluster.models.default_model import ensure_default_model
+
+            model = ensure_default_model()
+        self.config = engine_config_from_args(
+            model,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            **engine_args,
+        )
+        self.engine = build_engine(self.config)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, continuously batched; outputs in prompt order.
+
+        A bad prompt or parameter raises ValueError (naming the prompt's index) before any
+        request of this call is added.
+        """
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling_params")
+        engine = self.engine
+        ids = [engine.next_request_id() for _ in prompts]
+        added: list[str] = []
+        try:
+            for i, (request_id, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+                try:
+                    engine.add_request(request_id, prompt, p)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from e
+                added.append(request_id)
+        except ValueError:
+            for request_id in added:
+                engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            {
+                "prompt_token_ids": list(
+                    tokenizer.apply_chat_template(
+                        conv,
+                        add_generation_prompt=add_generation_prompt,
+                        tokenize=True,
+                        return_dict=False,
+                    )
+                ),
+                "prompt": tokenizer.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt, tokenize=False
+                ),
+            }
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm) as bar:
+            while len(finished) < len(request_ids) and self.engine.has_unfinished_requests():
+                for state in self.engine.step():
+                    if state.finish_reason is not None and state.request_id in wanted:
+                        finished[state.request_id] = state.output()
+                        bar.update(1)
+        return [finished[r] for r in request_ids]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,25 @@
+"""Sampling: the vectorised `Sampler` and the lossless `RejectionSampler` in front of the kernels."""
+
+from cluster.sample.logprobs import Logprobs
+from cluster.sample.metadata import Penalties, SamplingMetadata, make_generators
+from cluster.sample.rejection_sampler import (
+    RejectionSampler,
+    RejectionSamplerOutput,
+    rejection_sample,
+)
+from cluster.sample.rows import LogitsRows, SpecDecodeMetadata
+from cluster.sample.sampler import Sampler, SamplerOutput
+
+__all__ = [
+    "LogitsRows",
+    "Logprobs",
+    "Penalties",
+    "RejectionSampler",
+    "RejectionSamplerOutput",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "SpecDecodeMetadata",
+    "make_generators",
+    "rejection_sample",
+]

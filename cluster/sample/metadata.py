@@ -1,0 +1,173 @@
+"""`SamplingMetadata`: a batch of `SamplingParams` as tensors, plus what the penalties need.
+
+Built once per step from every request's params, its prompt and output token ids and its
+generator. Greedy requests get neutral filter values (temperature 1, no top-k / top-p /
+min-p), so no sentinel temperature is ever divided by; `is_greedy` alone marks them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from cluster.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Repetition / presence / frequency penalties of a batch (rows of unpenalised requests
+    hold neutral values and zero statistics)."""
+
+    repetition: torch.Tensor  # [batch] float32, 1 = off
+    presence: torch.Tensor  # [batch] float32, 0 = off
+    frequency: torch.Tensor  # [batch] float32, 0 = off
+    active: torch.Tensor  # [batch] bool: the request uses at least one penalty
+    prompt_mask: torch.Tensor  # [batch, vocab] bool: the token occurs in the prompt
+    output_counts: torch.Tensor  # [batch, vocab] int32: occurrences in the output so far
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Every request's sampling parameters, vectorised over the batch."""
+
+    vocab_size: int
+    greedy: tuple[bool, ...]  # host copy of is_greedy
+    is_greedy: torch.Tensor  # [batch] bool
+    temperature: torch.Tensor  # [batch] float32, 1.0 for greedy requests
+    top_k: torch.Tensor | None  # [batch] int64, vocab_size = off; None when nobody uses it
+    top_p: torch.Tensor | None  # [batch] float32, 1.0 = off; None when nobody uses it
+    min_p: torch.Tensor | None  # [batch] float32, 0.0 = off; None when nobody uses it
+    penalties: Penalties | None
+    num_logprobs: tuple[int | None, ...]  # per request: top-n logprobs wanted, None = none
+    generators: Mapping[int, torch.Generator]  # request index -> its own generator
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.greedy)
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(self.greedy)
+
+    @property
+    def max_num_logprobs(self) -> int | None:
+        wanted = [n for n in self.num_logprobs if n is not None]
+        return max(wanted) if wanted else None
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
+        generators: Mapping[int, torch.Generator] | None = None,
+    ) -> SamplingMetadata:
+        """Vectorise `params`; token ids are needed only for requests that use penalties.
+
+        `generators` must hold one generator per seeded request (see `make_generators`); the
+        caller keeps them across steps so a seeded request continues its own stream.
+        """
+        device = torch.device(device)
+        generators = dict(generators or {})
+        for i, p in enumerate(params):
+            if p.seed is not None and not p.is_greedy and i not in generators:
+                raise ValueError(f"generators: request {i} has seed={p.seed} but no generator")
+            if p.logprobs is not None and p.logprobs > vocab_size:
+                raise ValueError(f"params[{i}].logprobs must be <= vocab_size ({vocab_size})")
+        greedy = tuple(p.is_greedy for p in params)
+
+        def column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        def filter_column(
+            values: list[float], off: float, dtype: torch.dtype
+        ) -> torch.Tensor | None:
+            values = [off if g else v for v, g in zip(values, greedy, strict=True)]
+            return column(values, dtype) if any(v != off for v in values) else None
+
+        top_k = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
+        return cls(
+            vocab_size=vocab_size,
+            greedy=greedy,
+            is_greedy=column(greedy, torch.bool),
+            temperature=column(
+                [1.0 if p.is_greedy else p.temperature for p in params], torch.float32
+            ),
+            top_k=filter_column(top_k, vocab_size, torch.int64),
+            top_p=filter_column([p.top_p for p in params], 1.0, torch.float32),
+            min_p=filter_column([p.min_p for p in params], 0.0, torch.float32),
+            penalties=_penalties(params, vocab_size, device, prompt_token_ids, output_token_ids),
+            num_logprobs=tuple(p.logprobs for p in params),
+            generators=MappingProxyType(generators),
+        )
+
+
+def make_generators(
+    params: Sequence[SamplingParams], device: torch.device | str = "cpu"
+) -> dict[int, torch.Generator]:
+    """A fresh generator, seeded from `seed`, for every seeded request (at its first step)."""
+    return {
+        i: torch.Generator(device=device).manual_seed(p.seed)
+        for i, p in enumerate(params)
+        if p.seed is not None
+    }
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _penalties(
+    params: Sequence[SamplingParams],
+    vocab_size: int,
+    device: torch.device,
+    prompt_token_ids: Sequence[Sequence[int]] | None,
+    output_token_ids: Sequence[Sequence[int]] | None,
+) -> Penalties | None:
+    active = [_uses_penalties(p) for p in params]
+    if not any(active):
+        return None
+    for name, ids in (
+        ("prompt_token_ids", prompt_token_ids),
+        ("output_token_ids", output_token_ids),
+    ):
+        if ids is None or len(ids) != len(params):
+            raise ValueError(f"{name}: one list per request is needed when penalties are used")
+    prompt_counts = _token_table(prompt_token_ids, active, vocab_size, device, "prompt_token_ids")
+    output_counts = _token_table(output_token_ids, active, vocab_size, device, "output_token_ids")
+
+    def column(values: Sequence[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    return Penalties(
+        repetition=column([p.repetition_penalty for p in params]),
+        presence=column([p.presence_penalty for p in params]),
+        frequency=column([p.frequency_penalty for p in params]),
+        active=torch.tensor(active, dtype=torch.bool, device=device),
+        prompt_mask=prompt_counts > 0,
+        output_counts=output_counts,
+    )
+
+
+def _token_table(
+    token_ids: Sequence[Sequence[int]],
+    active: list[bool],
+    vocab_size: int,
+    device: torch.device,
+    name: str,
+) -> torch.Tensor:
+    """[batch, vocab] int32: how often each active request's `token_ids` hold each token."""
+    rows = [i for i, a in enumerate(active) if a for _ in token_ids[i]]
+    ids = [t for i, a in enumerate(active) if a for t in token_ids[i]]
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"{name} must lie in [0, {vocab_size})")
+    table = torch.zeros(len(active), vocab_size, dtype=torch.int32, device=device)
+    index = torch.tensor([rows, ids], dtype=torch.int64, device=device).reshape(2, -1)
+    ones = torch.ones(len(ids), dtype=torch.int32, device=device)
+    return table.index_put_((index[0], index[1]), ones, accumulate=True)

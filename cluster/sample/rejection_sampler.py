@@ -1,0 +1,170 @@
+"""Lossless speculative decoding: `rejection_sample` and the `RejectionSampler` module.
+
+`rejection_sample` verifies drafts against target distributions (design/seed-notes.md §2;
+glossary in `cluster/kernels/rejection_ref.py`): it checks its arguments, draws the random
+numbers (none for greedy requests; a seeded request draws only from its own generator), and
+runs the Triton kernels or the vectorised torch path on them.
+
+`RejectionSampler` sits in front of it. From the target logits at every draft and bonus
+position it samples the bonus tokens with the main `Sampler`, processes every draft position
+exactly as the `Sampler` would (penalties see the drafts before it; temperature, min-p,
+top-k, top-p), takes the softmax, rejection-samples, and returns logprobs for every output
+token. A seeded request consumes, in order: the bonus draw (vocab exponentials), then, when
+it has drafts, one uniform per draft and vocab exponentials.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cluster.kernels.rejection import rejection_sample_triton
+from cluster.kernels.rejection_ref import (
+    PLACEHOLDER_TOKEN_ID,
+    RejectionInputs,
+    rejection_sample_ref,
+)
+from cluster.sample.logprobs import Logprobs, compute_logprobs
+from cluster.sample.metadata import SamplingMetadata
+from cluster.sample.processing import process_logits, sampling_distribution
+from cluster.sample.randomness import draw_inv_exponentials, draw_uniforms
+from cluster.sample.rejection_inputs import check_rejection_args
+from cluster.sample.rows import SpecDecodeMetadata
+from cluster.sample.sampler import Sampler
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,  # [num_tokens] int64, every request's drafts in order
+    num_draft_tokens: Sequence[int],  # [batch], 0 allowed
+    draft_probs: torch.Tensor | None,  # [num_tokens, vocab], None when drafts are deltas
+    target_probs: torch.Tensor,  # [num_tokens, vocab], constraints already applied
+    bonus_token_ids: torch.Tensor,  # [batch] int64
+    is_greedy: torch.Tensor,  # [batch] bool
+    generators: Mapping[int, torch.Generator] | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """[batch, max(num_draft_tokens) + 1] int64 output tokens, -1 after the last one.
+
+    `backend`: "auto" (Triton for CUDA tensors, torch on CPU), "triton" (on CPU: the Triton
+    interpreter, which needs TRITON_INTERPRET=1 before triton is imported) or "torch".
+    Probabilities in other float dtypes are converted to float32, int32 ids to int64.
+    """
+    generators = dict(generators or {})
+    check_rejection_args(
+        draft_token_ids,
+        num_draft_tokens,
+        draft_probs,
+        target_probs,
+        bonus_token_ids,
+        is_greedy,
+        generators,
+        backend,
+    )
+    device = target_probs.device
+    num_draft = list(num_draft_tokens)
+    greedy = is_greedy.tolist()
+    needs_draws = [not g and n > 0 for g, n in zip(greedy, num_draft, strict=True)]
+    uniforms = inv_exponentials = None
+    if any(needs_draws):
+        vocab = target_probs.shape[1]
+        uniforms = draw_uniforms(num_draft, needs_draws, generators, device)
+        inv_exponentials = draw_inv_exponentials(needs_draws, generators, vocab, device)
+    cu = torch.tensor([0, *num_draft], dtype=torch.int64).cumsum(0).to(device)
+    inputs = RejectionInputs(
+        draft_token_ids=draft_token_ids.long().contiguous(),
+        cu_num_draft_tokens=cu,
+        draft_probs=None if draft_probs is None else draft_probs.float().contiguous(),
+        target_probs=target_probs.float().contiguous(),
+        bonus_token_ids=bonus_token_ids.long().contiguous(),
+        is_greedy=is_greedy.contiguous(),
+        uniforms=uniforms,
+        inv_exponentials=inv_exponentials,
+        max_spec_len=max(num_draft, default=0),
+    )
+    use_triton = backend == "triton" or (backend == "auto" and device.type == "cuda")
+    return rejection_sample_triton(inputs) if use_triton else rejection_sample_ref(inputs)
+
+
+@dataclass(frozen=True)
+class RejectionSamplerOutput:
+    token_ids: torch.Tensor  # [batch, max_spec_len + 1] int64, -1 after the last token
+    logprobs: Logprobs | None  # [batch, max_spec_len + 1, ...] for every output token
+
+    @property
+    def num_output_tokens(self) -> torch.Tensor:  # [batch]: accepted drafts + 1
+        return (self.token_ids != PLACEHOLDER_TOKEN_ID).sum(dim=1)
+
+
+class RejectionSampler(nn.Module):
+    """Verifies drafts against the target logits with each request's sampling parameters."""
+
+    def __init__(self, sampler: Sampler | None = None, backend: str = "auto") -> None:
+        super().__init__()
+        self.sampler = Sampler() if sampler is None else sampler
+        self.backend = backend
+
+    def forward(
+        self,
+        logits: torch.Tensor,  # [num_logits, vocab]: rows named by `spec`
+        spec: SpecDecodeMetadata,
+        metadata: SamplingMetadata,
+        draft_probs: torch.Tensor | None = None,  # [num_tokens, vocab], None for delta drafts
+    ) -> RejectionSamplerOutput:
+        """Sample the bonus tokens, verify the drafts, and collect logprobs if asked for."""
+        if len(spec.num_draft_tokens) != metadata.batch_size:
+            raise ValueError(
+                f"spec has {len(spec.num_draft_tokens)} requests but metadata has "
+                f"{metadata.batch_size}"
+            )
+        target_logits = logits.index_select(0, spec.target_logits_indices)  # [num_tokens, vocab]
+        bonus_logits = logits.index_select(0, spec.bonus_logits_indices)  # [batch, vocab]
+        bonus_rows, draft_rows = spec.bonus_rows(), spec.draft_rows()
+
+        bonus_processed = process_logits(bonus_logits, metadata, bonus_rows)
+        bonus_token_ids = self.sampler.sample(bonus_processed, metadata, bonus_rows)
+        processed = process_logits(target_logits, metadata, draft_rows)
+        greedy_rows = metadata.is_greedy[draft_rows.request_index]
+        target_probs = sampling_distribution(processed, greedy_rows)
+        token_ids = rejection_sample(
+            spec.draft_token_ids,
+            spec.num_draft_tokens,
+            draft_probs,
+            target_probs,
+            bonus_token_ids,
+            metadata.is_greedy,
+            metadata.generators,
+            self.backend,
+        )
+
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw = self.sampler.logprobs_mode == "raw"
+            sources = (target_logits, bonus_logits) if raw else (processed, bonus_processed)
+            logprobs = self._logprobs(torch.cat(sources), token_ids, spec, metadata)
+        return RejectionSamplerOutput(token_ids, logprobs)
+
+    def _logprobs(
+        self,
+        sources: torch.Tensor,  # [num_tokens + batch, vocab]: draft rows, then bonus rows
+        token_ids: torch.Tensor,  # [batch, max_spec_len + 1]
+        spec: SpecDecodeMetadata,
+        metadata: SamplingMetadata,
+    ) -> Logprobs:
+        """Logprobs of every output token, read at the row that produced it."""
+        batch, width = token_ids.shape
+        num_tokens = spec.draft_token_ids.shape[0]
+        row_of, start = [], 0  # output (i, j) came from draft row start + j or bonus row
+        for i, n in enumerate(spec.num_draft_tokens):
+            row_of.extend(start + j if j < n else num_tokens + i for j in range(width))
+            start += n
+        index = torch.tensor(row_of, dtype=torch.int64, device=sources.device)
+        requests = [i for i in range(batch) for _ in range(width)]
+        wanted = [metadata.num_logprobs[i] for i in requests]
+        num = torch.tensor([-1 if n is None else n for n in wanted], device=sources.device)
+        flat = compute_logprobs(
+            sources.index_select(0, index), token_ids.reshape(-1), num, metadata.max_num_logprobs
+        )
+        return flat.reshape(batch, width)

@@ -1,0 +1,130 @@
+"""`SamplingParams`: how one request wants its tokens chosen, validated at the edge.
+
+Field names follow vLLM's so OpenAI-style requests map onto it one to one. The model is
+frozen and rejects unknown fields; every bad value raises a pydantic `ValidationError`
+(a `ValueError`) whose message names the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+# Temperatures below this are greedy: dividing logits by them would only approximate the
+# argmax and risks overflow. This is the single definition the samplers rely on (through
+# `SamplingParams.is_greedy`), so no sentinel temperature can drift out of sync.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+_SEED_MIN = -(2**63)  # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1]
+_SEED_MAX = 2**64 - 1
+
+
+def _require(ok: bool, field: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{field} must be {allowed}, got {value!r}")
+
+
+class SamplingParams(BaseModel):
+    """Sampling parameters of one request (vLLM names; `n` must be 1)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, v: int) -> int:
+        _require(v == 1, "n", "1 (one sequence per request)", v)
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _check_temperature(cls, v: float) -> float:
+        _require(math.isfinite(v) and v >= 0, "temperature", "a finite number >= 0", v)
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _check_top_p(cls, v: float) -> float:
+        _require(0 < v <= 1, "top_p", "in (0, 1]", v)
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v: int) -> int:
+        _require(v == -1 or v >= 1, "top_k", "-1 (disabled) or an integer >= 1", v)
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _check_min_p(cls, v: float) -> float:
+        _require(0 <= v <= 1, "min_p", "in [0, 1]", v)
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _check_repetition_penalty(cls, v: float) -> float:
+        _require(math.isfinite(v) and v > 0, "repetition_penalty", "a finite number > 0", v)
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _check_additive_penalty(cls, v: float, info: ValidationInfo) -> float:
+        _require(-2 <= v <= 2, info.field_name, "in [-2, 2]", v)
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, v: int | None) -> int | None:
+        _require(
+            v is None or _SEED_MIN <= v <= _SEED_MAX, "seed", "None or in [-2**63, 2**64 - 1]", v
+        )
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _check_max_tokens(cls, v: int | None) -> int | None:
+        _require(v is None or v >= 1, "max_tokens", "None or an integer >= 1", v)
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, v: int | None) -> int | None:
+        _require(v is None or v >= 0, "logprobs", "None or an integer >= 0", v)
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, v: Any) -> tuple[str, ...]:
+        stops = () if v is None else (v,) if isinstance(v, str) else tuple(v)
+        ok = all(isinstance(s, str) and s for s in stops)
+        _require(ok, "stop", "a non-empty string or a list of non-empty strings", v)
+        return stops
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _check_stop_token_ids(cls, v: Any) -> tuple[int, ...]:
+        ids = () if v is None else tuple(v)
+        ok = all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+        _require(ok, "stop_token_ids", "a list of integers >= 0", v)
+        return ids
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request takes the argmax (temperature 0, or below 1e-5)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS

@@ -1,0 +1,135 @@
+"""Executors that host workers in this process or in spawned local processes.
+
+`MultiprocExecutor` is tensor parallelism on one machine without Ray: each rank runs a
+`Worker` in its own process and receives every message as msgpack bytes through a pipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from typing import Any
+
+import msgpack
+import torch.multiprocessing as mp
+
+from cluster.config import EngineConfig
+from cluster.engine.executor import Executor
+from cluster.engine.messages import ModelRunnerOutput, SchedulerOutput
+from cluster.parallel.spawn import free_port
+from cluster.worker.worker import Worker
+
+
+class InProcessExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.world_size != 1:
+            raise ValueError("InProcessExecutor runs a single rank; use MultiprocExecutor")
+        self.worker = Worker(config)
+
+    def available_kv_blocks(self) -> int:
+        return self.worker.available_kv_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # Through the wire format, so this path checks what crosses process boundaries too.
+        payload = self.worker.execute_model(scheduler_output.encode())
+        assert payload is not None
+        return ModelRunnerOutput.decode(payload)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def _worker_loop(config_json: str, rank: int, init_method: str, conn: Any) -> None:
+    """Serve calls `{"method": ..., "arg": ...}` until "shutdown"; reply `{"ok", "value"}`."""
+    worker = None
+    try:
+        worker = Worker(EngineConfig.model_validate_json(config_json), rank, init_method)
+        conn.send_bytes(msgpack.packb({"ok": True, "value": None}))
+        while True:
+            call = msgpack.unpackb(conn.recv_bytes())
+            if call["method"] == "shutdown":
+                break
+            try:
+                value = getattr(worker, call["method"])(*call["args"])
+                conn.send_bytes(msgpack.packb({"ok": True, "value": value}))
+            except Exception:
+                conn.send_bytes(msgpack.packb({"ok": False, "value": traceback.format_exc()}))
+    except Exception:
+        conn.send_bytes(msgpack.packb({"ok": False, "value": traceback.format_exc()}))
+    finally:
+        if worker is not None:
+            worker.shutdown()
+        conn.close()
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, timeout_s: float = 600.0) -> None:
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.timeout_s = timeout_s
+        self.conns = []
+        self.procs = []
+        for rank in range(config.parallel.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_loop,
+                args=(config.model_dump_json(), rank, init_method, child),
+                daemon=True,
+            )
+            proc.start()
+            child.close()  # so a dead worker reads as EOF here, not as silence
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self._replies()  # every rank has loaded its shard
+
+    def _replies(self) -> list[Any]:
+        values = []
+        for rank, conn in enumerate(self.conns):
+            try:
+                if not conn.poll(self.timeout_s):
+                    raise TimeoutError(f"worker rank {rank} did not answer in {self.timeout_s} s")
+                reply = msgpack.unpackb(conn.recv_bytes())
+            except (EOFError, OSError) as e:
+                raise RuntimeError(f"worker rank {rank} is dead ({e!r})") from e
+            if not reply["ok"]:
+                raise RuntimeError(f"worker rank {rank} failed:\n{reply['value']}")
+            values.append(reply["value"])
+        return values
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        message = msgpack.packb({"method": method, "args": list(args)})
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(message)
+            except OSError as e:
+                raise RuntimeError(f"worker rank {rank} is dead ({e!r})") from e
+        return self._replies()
+
+    def available_kv_blocks(self) -> int:
+        return min(self._call_all("available_kv_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("initialize_kv_cache", num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        replies = self._call_all("execute_model", scheduler_output.encode())
+        (payload,) = [r for r in replies if r is not None]
+        return ModelRunnerOutput.decode(payload)
+
+    def check_health(self) -> None:
+        dead = [rank for rank, p in enumerate(self.procs) if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"worker ranks {dead} are dead")
+
+    def shutdown(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                conn.send_bytes(msgpack.packb({"method": "shutdown", "args": []}))
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self.conns, self.procs = [], []
