@@ -15,6 +15,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.speculative_config import SpeculativeConfig
+
 DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
 
 _TORCH_DTYPES = {
@@ -134,6 +136,7 @@ class EngineConfig(_Frozen):
     parallel: ParallelConfig = ParallelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig | None = None
     seed: int = 0
 
     @model_validator(mode="after")
@@ -166,6 +169,8 @@ class EngineConfig(_Frozen):
                 f"model.max_model_len={max_len} exceeds the model's "
                 f"max_position_embeddings={self.model.max_position_embeddings}"
             )
+        if self.speculative is not None:
+            self.speculative.check_against_target(self.model.path, hf)
         sched = self.scheduler
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
             raise ValueError(
@@ -194,7 +199,12 @@ _FLAT_ARGS = {
 }
 
 
-def engine_config_from_args(model: str, seed: int = 0, **kwargs: Any) -> EngineConfig:
+def engine_config_from_args(
+    model: str,
+    seed: int = 0,
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> EngineConfig:
     """Build an `EngineConfig` from flat keyword arguments; unknown names are refused."""
     unknown = sorted(set(kwargs) - set(_FLAT_ARGS))
     if unknown:
@@ -214,5 +224,10 @@ def engine_config_from_args(model: str, seed: int = 0, **kwargs: Any) -> EngineC
         parallel=ParallelConfig(**sections["parallel"]),
         cache=CacheConfig(**sections["cache"]),
         scheduler=SchedulerConfig(**sections["scheduler"]),
+        speculative=(
+            SpeculativeConfig(**speculative_config)
+            if isinstance(speculative_config, dict)
+            else speculative_config
+        ),
         seed=seed,
     )

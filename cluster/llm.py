@@ -49,8 +49,6 @@ class LLM:
         seed: int = 0,
         **engine_args: Any,
     ) -> None:
-        if speculative_config is not None:
-            raise NotImplementedError("speculative_config is not supported yet (issue 5)")
         if model is None:
             from cluster.models.default_model import ensure_default_model
 
@@ -61,6 +59,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             dtype=dtype,
             max_model_len=max_model_len,
+            speculative_config=speculative_config,
             **engine_args,
         )
         self.engine = build_engine(self.config)
@@ -145,6 +144,12 @@ class LLM:
                         finished[state.request_id] = state.output()
                         bar.update(1)
         return [finished[r] for r in request_ids]
+
+    def get_metrics(self) -> dict[str, object]:
+        """Aggregated speculative-decoding statistics (num_drafts, num_draft_tokens,
+        num_accepted_tokens, acceptance_rate, mean_acceptance_length,
+        acceptance_per_position) and scheduler counters."""
+        return self.engine.core.get_metrics()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

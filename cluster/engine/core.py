@@ -19,9 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(
-        self, config: EngineConfig, executor: Executor, num_speculative_tokens: int = 0
-    ) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
         self.executor = executor
         num_blocks = config.cache.num_kv_blocks or executor.available_kv_blocks()
@@ -30,14 +28,17 @@ class EngineCore:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {config.cache.block_size} tokens, "
                 f"fewer than one sequence of max_model_len={max_len} needs; raise "
-                "cache.cpu_kv_cache_gib / gpu_memory_utilization or lower max_model_len"
+                "cache.num_kv_blocks, cpu_kv_cache_gib or gpu_memory_utilization, or lower max_model_len"
             )
         executor.initialize_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
         self.block_manager = KVBlockManager(num_blocks, config.cache.block_size)
-        self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, max_len, num_speculative_tokens
-        )
+        spec = config.speculative
+        # Drafts that run their own passes (all but n-gram) write KV ahead of the step.
+        lookahead = 0
+        if spec is not None and spec.resolved_method != "ngram":
+            lookahead = spec.num_speculative_tokens
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, max_len, lookahead)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -47,6 +48,14 @@ class EngineCore:
 
     def finish_by_stop_string(self, request_id: str, stop: str) -> None:
         self.scheduler.finish_by_stop_string(request_id, stop)
+
+    def get_metrics(self) -> dict[str, object]:
+        """Speculative-decoding statistics and scheduler counters."""
+        return {
+            **self.scheduler.spec_stats.as_dict(),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_cache_usage": self.block_manager.usage,
+        }
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

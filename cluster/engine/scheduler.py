@@ -21,6 +21,7 @@ from cluster.engine.messages import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from cluster.engine.metrics import SpecDecodingStats
 from cluster.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -30,12 +31,14 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: KVBlockManager,
         max_model_len: int,
-        num_speculative_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.config = config
         self.blocks = block_manager
         self.max_model_len = max_model_len
-        self.num_speculative_tokens = num_speculative_tokens
+        # KV slots reserved past a step's tokens for the draft's own passes.
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_stats = SpecDecodingStats()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -134,7 +137,7 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             new_blocks = self.blocks.allocate(
-                request.request_id, request.num_computed_tokens + num_new
+                request.request_id, self._slots_needed(request, num_new)
             )
             if new_blocks is None:
                 break
@@ -162,7 +165,7 @@ class Scheduler:
         None when `request` itself had to be preempted."""
         while True:
             new_blocks = self.blocks.allocate(
-                request.request_id, request.num_computed_tokens + num_new
+                request.request_id, self._slots_needed(request, num_new)
             )
             if new_blocks is not None:
                 return new_blocks
@@ -170,6 +173,10 @@ class Scheduler:
             self._preempt(victim)
             if victim is request:
                 return None
+
+    def _slots_needed(self, request: Request, num_new: int) -> int:
+        wanted = request.num_computed_tokens + num_new + self.num_lookahead_tokens
+        return min(wanted, self.max_model_len)
 
     def _scheduled(self, request: Request, num_new: int, new_blocks: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -203,6 +210,7 @@ class Scheduler:
                 num_accepted = max(0, len(generated) - 1)
                 # KV of rejected drafts is simply overwritten later.
                 request.num_computed_tokens -= item.num_spec_tokens - num_accepted
+                self.spec_stats.observe(item.num_spec_tokens, num_accepted)
             request.spec_token_ids = []
             new_tokens = self._append_checking_stops(request, generated)
             logprobs = runner_output.logprobs.get(item.req_id)

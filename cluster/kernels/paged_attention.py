@@ -28,6 +28,9 @@ def write_kv_ref(
     slot_mapping: torch.Tensor,  # [num_tokens] int
 ) -> None:
     block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0  # a negative slot means "do not store this token"
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     k_cache[blocks, offsets] = k
     v_cache[blocks, offsets] = v

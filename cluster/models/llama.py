@@ -34,7 +34,12 @@ def head_dim_of(config: Any) -> int:
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: Any, layer_idx: int, state: ParallelState, dtype: torch.dtype
+        self,
+        config: Any,
+        layer_idx: int,
+        state: ParallelState,
+        dtype: torch.dtype,
+        input_size: int | None = None,  # EAGLE-3 feeds [embedding, hidden]: 2 * hidden_size
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -44,7 +49,7 @@ class LlamaAttention(nn.Module):
             getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         )
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
+            input_size or config.hidden_size,
             self.head_dim,
             config.num_attention_heads,
             num_kv_heads,

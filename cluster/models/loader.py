@@ -21,9 +21,11 @@ from torch import nn
 from tqdm import tqdm
 
 from cluster.config import ModelConfig
-from cluster.models.registry import model_class_for
+from cluster.models.draft_base import DraftModel
+from cluster.models.registry import draft_class_for, model_class_for
 from cluster.parallel import ParallelState
 from cluster.parallel.weights import LazyTensor, default_weight_loader
+from cluster.speculative_config import SpeculativeConfig, checkpoint_tensor_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +69,14 @@ def load_weights(model: nn.Module, path: str, show_progress: bool = True) -> Non
     packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     ignored: tuple[str, ...] = getattr(model, "ignored_checkpoint_tensors", ())
     tied = bool(getattr(model, "tie_word_embeddings", False))
+    rename = getattr(model, "map_checkpoint_name", None)  # drafts read foreign layouts
     loaded: dict[str, set[object]] = {}  # parameter -> shard ids filled (None: whole)
     with ExitStack() as stack:
         tensors = list(iterate_checkpoint(path, stack))
         for tensor in tqdm(tensors, desc="Loading weights", disable=not show_progress):
-            name = tensor.name
+            name = rename(tensor.name) if rename is not None else tensor.name
+            if name is None:
+                continue
             if any(piece in name for piece in ignored) or (tied and name == "lm_head.weight"):
                 continue
             param_name, shard_id = name, None
@@ -110,3 +115,26 @@ def load_model(
     show = (state.rank == 0) if show_progress is None else show_progress
     load_weights(model, model_config.path, show_progress=show)
     return model.eval()
+
+
+def load_draft_head(
+    speculative: SpeculativeConfig,
+    model_config: ModelConfig,
+    target: nn.Module,
+    state: ParallelState,
+) -> DraftModel:
+    """Build and load an EAGLE / EAGLE-3 / MTP head for `target`, sharing its embedding and
+    LM head as the method requires."""
+    from transformers import AutoConfig
+
+    path = speculative.draft_path(model_config.path)
+    assert path is not None
+    kind = speculative.draft_kind_for(model_config.path)
+    names = set(checkpoint_tensor_shapes(path))
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    cls = draft_class_for(kind)
+    with torch.device(state.device):
+        draft = cls(config, model_config.hf_config, state, model_config.torch_dtype, names)
+    load_weights(draft, path, show_progress=False)
+    draft.share_with_target(target)
+    return draft.eval()

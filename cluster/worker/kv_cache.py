@@ -1,9 +1,10 @@
 """The paged KV cache tensors of one worker, and attention over them.
 
-Per layer, keys and values are `[num_blocks, block_size, num_kv_heads, head_dim]`
-(this rank's KV heads). Block ids come from the engine core's `KVBlockManager`;
-`AttentionMetadata.slot_mapping` and `block_tables` say where this step's tokens go
-and where each sequence's context lives.
+Per attention layer, keys and values are `[num_blocks, block_size, num_kv_heads, head_dim]`
+(this rank's KV heads; a draft head's layers follow the target's and may have their own
+head geometry). Block ids come from the engine core's `KVBlockManager`;
+`AttentionMetadata.slot_mapping` and `block_tables` say where this step's tokens go and
+where each sequence's context lives.
 """
 
 from __future__ import annotations
@@ -13,30 +14,28 @@ import torch
 from cluster.kernels.paged_attention import paged_attention, write_kv
 from cluster.models.attention import AttentionMetadata
 
+LayerShape = tuple[int, int]  # (num_kv_heads, head_dim) of one attention layer
+
 
 class PagedKVCache:
     def __init__(
         self,
-        num_layers: int,
+        layer_shapes: list[LayerShape],
         num_blocks: int,
         block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         backend: str = "auto",
     ) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
         self.backend = backend
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shapes = [(num_blocks, block_size, heads, dim) for heads, dim in layer_shapes]
+        self.k = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
+        self.v = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
 
     @staticmethod
-    def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    def bytes_per_block(layer_shapes: list[LayerShape], block_size: int, dtype: torch.dtype) -> int:
+        return sum(2 * block_size * heads * dim * dtype.itemsize for heads, dim in layer_shapes)
 
     def attend(
         self,

@@ -1,9 +1,11 @@
-"""`ModelRunner`: one step on one worker: inputs, target forward, sampling, verification.
+"""`ModelRunner`: one step on one worker: inputs, target forward, sampling, verification,
+and the next step's drafts.
 
-The runner keeps a small per-request state (prompt and output ids for penalties, the
-request's generator, its block table) that the scheduler output updates every step.
-Every TP rank samples the same tokens (same logits, same generators), so all ranks agree
-on the output; only one of them reports it.
+The runner keeps a small per-request state (prompt and output ids for penalties and
+n-gram lookup, the request's generator, its block table, the distributions its pending
+drafts were sampled from) that the scheduler output updates every step. Every TP rank
+samples the same tokens (same logits, same generators) and proposes the same drafts, so
+all ranks agree; only one of them reports.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 from cluster.engine.messages import (
     ModelRunnerOutput,
     NewRequestData,
+    ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
 )
@@ -27,6 +30,7 @@ from cluster.sample import (
     SpecDecodeMetadata,
 )
 from cluster.sampling_params import SamplingParams
+from cluster.spec_decode.batch import ProposalBatch
 from cluster.worker.input_batch import ModelInputs, prepare_inputs
 from cluster.worker.kv_cache import PagedKVCache
 
@@ -39,6 +43,13 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     block_ids: list[int] = field(default_factory=list)
+    # The distributions the pending drafts were drawn from ([k, vocab]); None: argmax drafts.
+    draft_probs: torch.Tensor | None = None
+
+    def token_at(self, position: int) -> int:
+        if position < len(self.prompt_token_ids):
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - len(self.prompt_token_ids)]
 
 
 class ModelRunner:
@@ -47,11 +58,15 @@ class ModelRunner:
         model: nn.Module,
         kv_cache: PagedKVCache,
         device: torch.device,
+        proposer: object | None = None,
+        aux_hidden_layers: tuple[int, ...] = (),
         sampler_backend: str = "auto",
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.proposer = proposer
+        self.aux_hidden_layers = aux_hidden_layers
         self.vocab_size = int(model.config.vocab_size)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler, backend=sampler_backend)
@@ -82,16 +97,22 @@ class ModelRunner:
         block_tables = {s.req_id: self.requests[s.req_id].block_ids for s in so.scheduled}
         inputs = prepare_inputs(so.scheduled, block_tables, self.kv_cache.block_size, self.device)
         inputs.meta.kv_cache = self.kv_cache
-        hidden = self.model(inputs.input_ids, inputs.meta)  # [num_tokens, hidden]
+        if self.aux_hidden_layers:
+            hidden, aux = self.model(inputs.input_ids, inputs.meta, self.aux_hidden_layers)
+            features = torch.cat(aux, dim=-1)  # [num_tokens, 3 * hidden] for EAGLE-3
+        else:
+            hidden = features = self.model(inputs.input_ids, inputs.meta)  # [num_tokens, hidden]
         sampled_ids, logprobs = self._sample(hidden, inputs)
         per_request = dict(zip((s.req_id for s in inputs.sampled), sampled_ids, strict=True))
         for req_id, tokens in per_request.items():
             self.requests[req_id].output_token_ids.extend(tokens)
+        drafts = self._propose(so.scheduled, inputs, per_request, features)
         return ModelRunnerOutput(
             step_id=so.step_id,
             req_ids=[s.req_id for s in so.scheduled],
             sampled_token_ids=[per_request.get(s.req_id, []) for s in so.scheduled],
             logprobs=logprobs,
+            draft_token_ids=drafts,
         )
 
     def _sample(
@@ -112,7 +133,8 @@ class ModelRunner:
         if any(s.num_spec_tokens for s in inputs.sampled):
             drafts = [s.token_ids[len(s.token_ids) - s.num_spec_tokens :] for s in inputs.sampled]
             spec = SpecDecodeMetadata.from_drafts(drafts, self.device)
-            out = self.rejection_sampler(logits, spec, metadata)
+            draft_probs = self._draft_probs(states, drafts)
+            out = self.rejection_sampler(logits, spec, metadata, draft_probs)
             token_ids, lp = out.token_ids, out.logprobs  # [batch, k + 1], -1 after the last
             counts = out.num_output_tokens.tolist()
         else:
@@ -120,9 +142,75 @@ class ModelRunner:
             token_ids = out.token_ids[:, None]  # [batch, 1]
             lp = out.logprobs.reshape(len(states), 1) if out.logprobs is not None else None
             counts = [1] * len(states)
+        for st in states:
+            st.draft_probs = None  # verified now
         rows = token_ids.tolist()
         sampled = [row[:n] for row, n in zip(rows, counts, strict=True)]
         return sampled, _logprobs_by_request(lp, states, counts)
+
+    def _draft_probs(
+        self, states: list[CachedRequestState], drafts: list[list[int]]
+    ) -> torch.Tensor | None:
+        """[num_drafts, vocab] the distributions the drafts came from; one-hot rows (deltas)
+        for argmax drafts. None when every draft is an argmax draft."""
+        if all(st.draft_probs is None for st in states):
+            return None
+        rows = []
+        for st, d in zip(states, drafts, strict=True):
+            if not d:
+                continue
+            if st.draft_probs is not None and st.draft_probs.shape[0] >= len(d):
+                rows.append(st.draft_probs[: len(d)].to(self.device))
+            else:
+                ids = torch.tensor(d, device=self.device)
+                rows.append(torch.nn.functional.one_hot(ids, self.vocab_size).float())
+        return torch.cat(rows)
+
+    def _propose(
+        self,
+        scheduled: list[ScheduledRequest],
+        inputs: ModelInputs,
+        sampled: dict[str, list[int]],
+        features: torch.Tensor,
+    ) -> list[list[int]]:
+        if self.proposer is None:
+            return []
+        num_valid, next_ids = [], []
+        for item in scheduled:
+            state = self.requests[item.req_id]
+            n = len(item.token_ids)
+            if item.req_id in sampled:
+                tokens = sampled[item.req_id]
+                num_valid.append(n - (item.num_spec_tokens - (len(tokens) - 1)))
+                next_ids.append(tokens[-1])
+            else:  # a partial prompt: the next prompt token follows the chunk
+                num_valid.append(n)
+                next_ids.append(state.token_at(item.num_computed_tokens + n))
+        states = [self.requests[s.req_id] for s in scheduled]
+        meta = inputs.meta
+        batch = ProposalBatch(
+            query_start_loc=meta.query_start_loc,
+            num_computed=[s.num_computed_tokens for s in scheduled],
+            num_valid=num_valid,
+            next_token_ids=next_ids,
+            sampled=[s.req_id in sampled for s in scheduled],
+            params=[st.sampling_params for st in states],
+            token_history=(
+                [st.prompt_token_ids + st.output_token_ids for st in states]
+                if getattr(self.proposer, "needs_token_history", False)
+                else []
+            ),
+            input_ids=inputs.input_ids,
+            positions=meta.positions,
+            slot_mapping=meta.slot_mapping,
+            block_tables=meta.block_tables,
+            num_blocks=[len(st.block_ids) for st in states],
+            target_hidden=features,
+        )
+        proposal = self.proposer.propose(batch)
+        for st, probs in zip(states, proposal.probs, strict=True):
+            st.draft_probs = probs
+        return proposal.token_ids
 
 
 def _logprobs_by_request(
@@ -131,11 +219,9 @@ def _logprobs_by_request(
     """Wire form of the logprobs of every output token, for requests that asked for them."""
     if logprobs is None:
         return {}
-    ids, values, ranks = (
-        logprobs.token_ids.tolist(),
-        logprobs.logprobs.tolist(),
-        logprobs.ranks.tolist(),
-    )
+    ids = logprobs.token_ids.tolist()
+    values = logprobs.logprobs.tolist()
+    ranks = logprobs.ranks.tolist()
     result: dict[str, list[TokenLogprobs]] = {}
     for i, (state, n) in enumerate(zip(states, counts, strict=True)):
         wanted = state.sampling_params.logprobs

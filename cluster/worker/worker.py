@@ -1,21 +1,33 @@
-"""A worker: one rank's model shard, its KV cache and its model runner.
+"""A worker: one rank's model shard (and draft), its KV cache and its model runner.
 
-The in-process executor, the multiprocess executor and (later) the Ray worker actor
-all host this same class. `execute_model` takes and returns msgpack bytes, the form
-in which scheduler outputs travel.
+The in-process executor, the multiprocess executor and the Ray worker actor all host
+this same class. `execute_model` takes and returns msgpack bytes, the form in which
+scheduler outputs travel.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, ModelConfig
 from cluster.engine.messages import SchedulerOutput
-from cluster.models.llama import head_dim_of
-from cluster.models.loader import load_model
+from cluster.models.loader import load_draft_head, load_model
 from cluster.parallel import ParallelState, destroy_parallel_state, init_parallel_state
-from cluster.worker.kv_cache import PagedKVCache
+from cluster.spec_decode.draft_model import DraftModelProposer
+from cluster.spec_decode.eagle import EagleProposer
+from cluster.spec_decode.ngram import NgramProposer
+from cluster.worker.kv_cache import LayerShape, PagedKVCache
 from cluster.worker.model_runner import ModelRunner
+
+
+def attention_layer_shapes(model: nn.Module) -> list[LayerShape]:
+    """(kv_heads on this rank, head_dim) of every attention layer, in layer-index order."""
+    shapes = {}
+    for module in model.modules():
+        if hasattr(module, "qkv_proj") and hasattr(module, "layer_idx"):
+            shapes[module.layer_idx] = (module.qkv_proj.num_kv_heads, module.qkv_proj.head_dim)
+    return [shapes[i] for i in sorted(shapes)]
 
 
 class Worker:
@@ -38,6 +50,16 @@ class Worker:
         )
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.state)
+        self.draft_head: nn.Module | None = None  # EAGLE / EAGLE-3 / MTP: KV in the target's cache
+        self.draft_lm: nn.Module | None = None  # a separate draft LM: KV in its own cache
+        spec = config.speculative
+        if spec is not None and spec.resolved_method in ("eagle", "eagle3", "mtp"):
+            self.draft_head = load_draft_head(spec, config.model, self.model, self.state)
+        elif spec is not None and spec.resolved_method == "draft_model":
+            draft_config = ModelConfig(
+                path=spec.model, dtype=config.model.dtype, device=config.model.device
+            )
+            self.draft_lm = load_model(draft_config, self.state, show_progress=False)
         self.runner: ModelRunner | None = None
 
     @property
@@ -45,17 +67,20 @@ class Worker:
         """The one rank whose output goes back to the engine core."""
         return self.state.is_last_stage and self.state.tp_rank == 0
 
-    def _kv_geometry(self) -> tuple[int, int, int]:
-        hf = self.model.config
-        num_kv_heads = self.model.model.layers[0].self_attn.qkv_proj.num_kv_heads
-        return int(hf.num_hidden_layers), num_kv_heads, head_dim_of(hf)
+    def _layer_shapes(self) -> tuple[list[LayerShape], list[LayerShape]]:
+        """(target + draft-head layers, separate draft LM layers)."""
+        shapes = attention_layer_shapes(self.model)
+        if self.draft_head is not None:
+            shapes += attention_layer_shapes(self.draft_head)
+        draft_lm = attention_layer_shapes(self.draft_lm) if self.draft_lm is not None else []
+        return shapes, draft_lm
 
     def available_kv_blocks(self) -> int:
         """How many KV blocks fit in the memory this rank may use for the cache."""
-        num_layers, num_kv_heads, head_dim = self._kv_geometry()
-        cache = self.config.cache
-        per_block = PagedKVCache.bytes_per_block(
-            num_layers, cache.block_size, num_kv_heads, head_dim, self.config.model.torch_dtype
+        cache, dtype = self.config.cache, self.config.model.torch_dtype
+        per_block = sum(
+            PagedKVCache.bytes_per_block(shapes, cache.block_size, dtype)
+            for shapes in self._layer_shapes()
         )
         if self.state.device.type == "cuda":
             free, total = torch.cuda.mem_get_info()
@@ -65,17 +90,23 @@ class Worker:
         return max(0, int(budget // per_block))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        num_layers, num_kv_heads, head_dim = self._kv_geometry()
-        kv_cache = PagedKVCache(
-            num_layers,
-            num_blocks,
-            self.config.cache.block_size,
-            num_kv_heads,
-            head_dim,
-            self.config.model.torch_dtype,
-            self.state.device,
-        )
-        self.runner = ModelRunner(self.model, kv_cache, self.state.device)
+        block_size, dtype = self.config.cache.block_size, self.config.model.torch_dtype
+        shapes, draft_lm_shapes = self._layer_shapes()
+        device = self.state.device
+        kv_cache = PagedKVCache(shapes, num_blocks, block_size, dtype, device)
+        spec = self.config.speculative
+        proposer, aux_layers = None, ()
+        if spec is not None:
+            k, sample = spec.num_speculative_tokens, spec.draft_sampling == "sample"
+            if self.draft_head is not None:
+                proposer = EagleProposer(self.draft_head, kv_cache, block_size, k, sample)
+                aux_layers = tuple(getattr(self.draft_head, "aux_layers", ()))
+            elif self.draft_lm is not None:
+                draft_kv = PagedKVCache(draft_lm_shapes, num_blocks, block_size, dtype, device)
+                proposer = DraftModelProposer(self.draft_lm, draft_kv, block_size, k, sample)
+            else:
+                proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.runner = ModelRunner(self.model, kv_cache, device, proposer, aux_layers)
 
     def execute_model(self, payload: bytes) -> bytes | None:
         if self.runner is None:

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (EAGLE family, draft model, n-gram) and metrics."""

@@ -1,0 +1,43 @@
+"""What a proposer receives after the target has verified a step, and what it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.sampling_params import SamplingParams
+
+
+@dataclass
+class ProposalBatch:
+    """One entry per scheduled request (batch order), plus the target step's tensors.
+
+    `num_valid[i]` of request i's `query_lens[i]` scheduled tokens hold valid target state
+    (rejected drafts excluded); `next_token_ids[i]` is the token after them: the token
+    just sampled, or the next prompt token when the prompt is only partly computed.
+    Only requests with `sampled[i]` get drafts.
+    """
+
+    query_start_loc: list[int]  # [batch + 1] of the target step
+    num_computed: list[int]  # [batch] position of each request's first scheduled token
+    num_valid: list[int]  # [batch]
+    next_token_ids: list[int]  # [batch]
+    sampled: list[bool]  # [batch]
+    params: list[SamplingParams]  # [batch]
+    # [batch] prompt + output ids after this step (only for proposers that ask for it)
+    token_history: list[list[int]]
+    input_ids: torch.Tensor  # [num_tokens] the target step's token ids
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens]
+    block_tables: torch.Tensor  # [batch, max_blocks]
+    num_blocks: list[int]  # [batch] blocks allocated to each request
+    target_hidden: torch.Tensor | None  # [num_tokens, hidden] (EAGLE-3: [num_tokens, 3 * hidden])
+
+
+@dataclass
+class DraftProposal:
+    token_ids: list[list[int]]  # [batch][<= k] drafts (empty for requests that did not sample)
+    # [batch] the distribution each request's drafts were sampled from ([k_i, vocab]), or
+    # None where drafts are argmax / deltas.
+    probs: list[torch.Tensor | None]

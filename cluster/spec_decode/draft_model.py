@@ -1,0 +1,100 @@
+"""`DraftModelProposer`: a separate small LM (same tokenizer) with its own paged KV cache.
+
+Its cache shares the target's block tables and slot mapping (same block size). Pass 0
+runs the draft over every valid position of the step plus, for requests that sampled,
+the newly sampled token; the last row gives draft 1, and passes 2..k feed each draft back
+(`chain.run_chain`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cluster.models.attention import AttentionMetadata, KVCache
+from cluster.spec_decode.batch import DraftProposal, ProposalBatch
+from cluster.spec_decode.chain import choose_tokens, run_chain
+
+
+class DraftModelProposer:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_cache: KVCache,
+        block_size: int,
+        num_speculative_tokens: int,
+        sample: bool,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.k = num_speculative_tokens
+        self.sample = sample
+
+    @torch.inference_mode()
+    def propose(self, batch: ProposalBatch) -> DraftProposal:
+        device = batch.input_ids.device
+        target_ids = batch.input_ids.tolist()
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        block_size = self.block_size
+        tables = batch.block_tables.tolist()
+        for i, (start, valid) in enumerate(
+            zip(batch.query_start_loc, batch.num_valid, strict=False)
+        ):
+            c = batch.num_computed[i]
+            row_ids = target_ids[start : start + valid]
+            if batch.sampled[i] and valid:
+                row_ids.append(batch.next_token_ids[i])
+            for p in range(c, c + len(row_ids)):
+                positions.append(p)
+                slots.append(tables[i][p // block_size] * block_size + p % block_size)
+            ids.extend(row_ids)
+            starts.append(starts[-1] + len(row_ids))
+            seq_lens.append(c + len(row_ids))
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        meta = AttentionMetadata(
+            starts,
+            seq_lens,
+            tensor(positions),
+            self.kv_cache,
+            slot_mapping=tensor(slots),
+            block_tables=batch.block_tables,
+        )
+        hidden = self.model(tensor(ids), meta)
+        result = DraftProposal([[] for _ in batch.sampled], [None] * len(batch.sampled))
+        drafting = [i for i, s in enumerate(batch.sampled) if s and batch.num_valid[i]]
+        if not drafting:
+            return result
+        last_rows = tensor([starts[i + 1] - 1 for i in drafting])
+        params = [batch.params[i] for i in drafting]
+        tokens, probs = choose_tokens(
+            self.model.compute_logits(hidden[last_rows]), params, self.sample
+        )
+
+        def step_fn(tokens, hidden, meta, step):
+            return self.model.compute_logits(self.model(tokens, meta)), None
+
+        drafts, draft_probs = run_chain(
+            step_fn,
+            tokens,
+            probs,
+            None,
+            meta.positions[last_rows],
+            batch.block_tables[drafting],
+            [batch.num_blocks[i] for i in drafting],
+            self.block_size,
+            self.kv_cache,
+            params,
+            self.k,
+            self.sample,
+        )
+        for j, i in enumerate(drafting):
+            result.token_ids[i], result.probs[i] = drafts[j], draft_probs[j]
+        return result

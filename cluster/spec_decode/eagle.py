@@ -1,0 +1,100 @@
+"""`EagleProposer`: drafts from an EAGLE, EAGLE-3 or MTP head fed the target's features.
+
+Pass 0 runs over every position whose target state is valid this step (rejected drafts
+are left out): the input ids are shifted left by one, so position p sees token p+1 and the
+target's feature at p, and each request's last slot holds its `next_token_ids` entry
+(the token just sampled). For `[a1 | b1 b2 | c1 c2 c3]` with new tokens a2, b3, c4 the
+ids are `[a2 | b2 b3 | c2 c3 c4]`. The draft KV at those positions is (re)written from
+target features. The last row of each sampling request gives draft 1; passes 2..k feed
+the previous draft with the draft's own hidden state (`chain.run_chain`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cluster.models.attention import AttentionMetadata, KVCache
+from cluster.models.draft_base import DraftModel
+from cluster.spec_decode.batch import DraftProposal, ProposalBatch
+from cluster.spec_decode.chain import choose_tokens, run_chain
+
+
+def shifted_input_ids(batch: ProposalBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token index of every valid position [m], its shifted input id [m])."""
+    index: list[int] = []
+    ids: list[int] = []
+    target_ids = batch.input_ids.tolist()
+    for i, (start, valid) in enumerate(zip(batch.query_start_loc, batch.num_valid, strict=False)):
+        index.extend(range(start, start + valid))
+        ids.extend(target_ids[start + 1 : start + valid])
+        if valid:
+            ids.append(batch.next_token_ids[i])
+    device = batch.input_ids.device
+    return torch.tensor(index, dtype=torch.int64, device=device), torch.tensor(
+        ids, dtype=torch.int64, device=device
+    )
+
+
+class EagleProposer:
+    def __init__(
+        self,
+        draft: DraftModel,
+        kv_cache: KVCache,
+        block_size: int,
+        num_speculative_tokens: int,
+        sample: bool,
+    ) -> None:
+        self.draft = draft
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.k = num_speculative_tokens
+        self.sample = sample
+
+    @torch.inference_mode()
+    def propose(self, batch: ProposalBatch) -> DraftProposal:
+        assert batch.target_hidden is not None
+        index, ids = shifted_input_ids(batch)
+        starts = [0]
+        for valid in batch.num_valid:
+            starts.append(starts[-1] + valid)
+        meta = AttentionMetadata(
+            query_start_loc=starts,
+            seq_lens=[c + v for c, v in zip(batch.num_computed, batch.num_valid, strict=True)],
+            positions=batch.positions[index],
+            kv_cache=self.kv_cache,
+            slot_mapping=batch.slot_mapping[index],
+            block_tables=batch.block_tables,
+        )
+        hidden = self.draft.combine_target_hidden(batch.target_hidden[index])  # [m, H]
+        logits_hidden, next_hidden = self.draft(ids, hidden, meta, 0)
+
+        drafting = [i for i, s in enumerate(batch.sampled) if s and batch.num_valid[i]]
+        empty = DraftProposal([[] for _ in batch.sampled], [None] * len(batch.sampled))
+        if not drafting:
+            return empty
+        last_rows = torch.tensor([starts[i + 1] - 1 for i in drafting], device=ids.device)
+        params = [batch.params[i] for i in drafting]
+        logits = self.draft.compute_logits(logits_hidden[last_rows], 0)
+        tokens, probs = choose_tokens(logits, params, self.sample)
+
+        def step_fn(tokens, hidden, meta, step):
+            logits_hidden, next_hidden = self.draft(tokens, hidden, meta, step)
+            return self.draft.compute_logits(logits_hidden, step), next_hidden
+
+        drafts, draft_probs = run_chain(
+            step_fn,
+            tokens,
+            probs,
+            next_hidden[last_rows],
+            meta.positions[last_rows],
+            batch.block_tables[drafting],
+            [batch.num_blocks[i] for i in drafting],
+            self.block_size,
+            self.kv_cache,
+            params,
+            self.k,
+            self.sample,
+        )
+        for j, i in enumerate(drafting):
+            empty.token_ids[i], empty.probs[i] = drafts[j], draft_probs[j]
+        return empty

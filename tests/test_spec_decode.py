@@ -1,0 +1,149 @@
+"""Speculative decoding on a tiny random model: lossless for every method, oracle and
+always-wrong drafts, metrics.
+
+Greedy outputs with speculation must equal those without it (and transformers'), token
+for token, for EAGLE, the normalised-fusion EAGLE, EAGLE-3, both MTP styles, n-gram and a
+draft LM, at k = 1, 3, 5, in a batch that mixes chunked prefill, decode and verification.
+"""
+
+import pytest
+from draft_checkpoints import write_all
+from greedy_reference import assert_greedy_equal, hf_greedy
+from tiny_models import make_tiny_chat_model
+
+from cluster import LLM, SamplingParams
+from cluster.spec_decode.batch import DraftProposal
+
+NEW_TOKENS = 24
+PROMPTS = [
+    [5, 6, 7],
+    list(range(100, 131)),
+    [9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9],
+    [40, 41, 42, 43, 44, 45, 46],
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+ENGINE = dict(
+    dtype="float32", max_model_len=128, num_kv_blocks=96, block_size=4, max_num_batched_tokens=20
+)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, smollm2_path):
+    root = tmp_path_factory.mktemp("spec")
+    hf = make_tiny_chat_model(str(root / "target"), smollm2_path, num_hidden_layers=4, seed=3)
+    return str(root / "target"), hf, write_all(str(root / "drafts"), str(root / "target"))
+
+
+@pytest.fixture(scope="module")
+def baseline(target):
+    path, hf, _ = target
+    with LLM(path, **ENGINE) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    for prompt, ours in zip(PROMPTS, tokens, strict=True):
+        assert_greedy_equal(hf, prompt, ours, hf_greedy(hf, prompt, NEW_TOKENS))
+    return tokens
+
+
+def _run(path, spec, k, prompts=PROMPTS, params=GREEDY):
+    with LLM(path, speculative_config={**spec, "num_speculative_tokens": k}, **ENGINE) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        llm.engine.core.block_manager.check_no_leaks()
+        return [o.outputs[0] for o in outs], llm.get_metrics()
+
+
+METHODS = [
+    "eagle",
+    "eagle_norm_fusion",
+    "eagle3",
+    "mtp_deepseek",
+    "mtp_qwen3_next",
+    "ngram",
+    "draft_model",
+]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_is_lossless(target, baseline, method, k):
+    path, _, specs = target
+    outs, metrics = _run(path, specs[method], k)
+    assert [o.token_ids for o in outs] == baseline
+    assert metrics["num_draft_tokens"] > 0
+    assert sum(o.num_draft_tokens for o in outs) == metrics["num_draft_tokens"]
+
+
+class ScriptedProposer:
+    """Proposes, for each request, the next k tokens of a known greedy continuation, or
+    (with `wrong`) a token guaranteed to differ from it."""
+
+    needs_token_history = True
+
+    def __init__(
+        self, continuations: dict[tuple[int, ...], list[int]], k: int, vocab: int, wrong: bool
+    ) -> None:
+        self.continuations, self.k, self.vocab, self.wrong = continuations, k, vocab, wrong
+
+    def propose(self, batch):
+        drafts = []
+        for history, sampled in zip(batch.token_history, batch.sampled, strict=True):
+            if not sampled:
+                drafts.append([])
+                continue
+            prompt = next(p for p in self.continuations if tuple(history[: len(p)]) == p)
+            done = len(history) - len(prompt)
+            right = self.continuations[prompt][done : done + self.k]
+            drafts.append([(t + 1) % self.vocab for t in right] if self.wrong else right)
+        return DraftProposal(drafts, [None] * len(drafts))
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("wrong", [False, True])
+def test_oracle_and_always_wrong_drafts(target, baseline, k, wrong):
+    path, hf, _ = target
+    # max_tokens = 1 + m (k + 1): after the prefill's token, every step has room for k drafts.
+    steps = 4
+    params = SamplingParams(temperature=0, max_tokens=1 + steps * (k + 1), ignore_eos=True)
+    continuations = {tuple(p): b for p, b in zip(PROMPTS, baseline, strict=True)}
+    with LLM(
+        path, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **ENGINE
+    ) as llm:
+        llm.engine.core.executor.worker.runner.proposer = ScriptedProposer(
+            continuations, k, hf.config.vocab_size, wrong
+        )
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        metrics = llm.get_metrics()
+    for out, base in zip(outs, baseline, strict=True):
+        assert out.outputs[0].token_ids == base[: params.max_tokens]
+    if wrong:  # one token per step; the last step has no room for drafts
+        assert metrics["num_drafts"] == (params.max_tokens - 2) * len(PROMPTS)
+        assert metrics["acceptance_rate"] == 0.0 and metrics["mean_acceptance_length"] == 1.0
+        assert metrics["acceptance_per_position"] == [0.0] * k
+    else:
+        assert metrics["num_drafts"] == steps * len(PROMPTS)
+        assert metrics["acceptance_rate"] == 1.0 and metrics["mean_acceptance_length"] == k + 1
+        assert metrics["acceptance_per_position"] == [1.0] * k
+        assert all(o.outputs[0].num_accepted_tokens == steps * k for o in outs)
+
+
+def test_drafts_respect_max_tokens_and_stop_inside_an_accepted_run(target, baseline):
+    path, hf, _ = target
+    k = 4
+    continuations = {tuple(p): b for p, b in zip(PROMPTS, baseline, strict=True)}
+    stop_token = baseline[1][6]  # a stop token id in the middle of an accepted run
+    first = baseline[1].index(stop_token)
+    params = [
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_token]),
+    ]
+    with LLM(
+        path, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **ENGINE
+    ) as llm:
+        llm.engine.core.executor.worker.runner.proposer = ScriptedProposer(
+            continuations, k, hf.config.vocab_size, False
+        )
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+        llm.engine.core.block_manager.check_no_leaks()
+    assert outs[0].outputs[0].token_ids == baseline[0][:7]
+    assert outs[1].outputs[0].token_ids == baseline[1][: first + 1]
+    assert outs[1].outputs[0].finish_reason == "stop"
