@@ -179,10 +179,8 @@ def write_draft_lm(path: str, target_path: str, seed: int = 0) -> str:
         vocab_size=cfg["vocab_size"],
         hidden_size=32,
         intermediate_size=64,
-        num_attention_heads=cfg["num_attention_heads"]
-        if 32 % cfg["num_attention_heads"] == 0
-        else 4,
-        num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
         num_hidden_layers=1,
         max_position_embeddings=cfg["max_position_embeddings"],
         tie_word_embeddings=True,

@@ -1,0 +1,225 @@
+"""Draft heads: checkpoint layouts load, drafts equal an independent no-cache recompute,
+and the details that are easy to get wrong (hidden source of steps 2..k, MTP layer per
+step, the direction of EAGLE-3's d2t, EAGLE-3's pre-norm hidden) are pinned down."""
+
+import pytest
+import torch
+from draft_checkpoints import write_all
+from safetensors.torch import load_file
+from tiny_models import make_tiny_chat_model
+
+from cluster import LLM, SamplingParams
+from cluster.models.attention import AttentionMetadata
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+K = 4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, smollm2_path):
+    root = tmp_path_factory.mktemp("drafts")
+    target = str(root / "target")
+    hf = make_tiny_chat_model(target, smollm2_path, num_hidden_layers=6, seed=5)
+    return target, hf, write_all(str(root / "d"), target, seed=7)
+
+
+class Recorder:
+    """Wraps a proposer and keeps every (batch, proposal)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.needs_token_history = getattr(inner, "needs_token_history", False)
+
+    def propose(self, batch):
+        proposal = self.inner.propose(batch)
+        self.calls.append((batch, proposal))
+        return proposal
+
+
+def _engine_drafts(target, spec):
+    """Drafts proposed right after the prefill of PROMPT (greedy), and the sampled token."""
+    with LLM(
+        target,
+        dtype="float32",
+        max_model_len=64,
+        num_kv_blocks=32,
+        block_size=4,
+        speculative_config={**spec, "num_speculative_tokens": K},
+    ) as llm:
+        worker = llm.engine.core.executor.worker
+        recorder = Recorder(worker.runner.proposer)
+        worker.runner.proposer = recorder
+        out = llm.generate(
+            {"prompt_token_ids": PROMPT},
+            SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+            use_tqdm=False,
+        )
+        _batch, proposal = recorder.calls[0]
+        return worker.draft_head, out[0].outputs[0].token_ids[0], proposal.token_ids[0]
+
+
+@torch.no_grad()
+def _reference_drafts(draft, hf, first_token):
+    """No KV cache: every pass recomputes all positions. Rows before the prompt's end take
+    the target's features; each later row takes the draft's own `next_hidden` from the
+    row before it (its previous pass)."""
+    ids = torch.tensor([PROMPT])
+    states = hf(ids, output_hidden_states=True).hidden_states
+    aux = getattr(draft, "aux_layers", None)
+    features = torch.cat([states[i][0] for i in aux], -1) if aux else states[-1][0]
+    hidden_in = draft.combine_target_hidden(features)  # [L, H]
+    tokens = [*PROMPT[1:], first_token]
+    drafts = []
+    for step in range(K):
+        meta = AttentionMetadata.for_prefill([len(tokens)])
+        logits_hidden, next_hidden = draft(torch.tensor(tokens), hidden_in, meta, step)
+        token = int(draft.compute_logits(logits_hidden[-1:], step).argmax())
+        drafts.append(token)
+        tokens.append(token)
+        hidden_in = torch.cat([hidden_in, next_hidden[-1:]])
+    return drafts
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle_norm_fusion", "eagle3"])
+def test_drafts_equal_a_no_cache_recompute(setup, kind):
+    target, hf, specs = setup
+    draft, first, drafts = _engine_drafts(target, specs[kind])
+    assert len(drafts) == K
+    assert drafts == _reference_drafts(draft, hf, first)
+
+
+def test_reference_detects_a_wrong_hidden_source(setup):
+    """Feeding the target's feature (instead of the draft's own output) to steps 2..k
+    changes the drafts, so the comparison above would catch that bug."""
+    target, hf, specs = setup
+    draft, first, drafts = _engine_drafts(target, specs["eagle"])
+    with torch.no_grad():
+        states = hf(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states[-1][0]
+        tokens, hidden_in, wrong = [*PROMPT[1:], first], states, []
+        for step in range(K):
+            lh, _ = draft(
+                torch.tensor(tokens), hidden_in, AttentionMetadata.for_prefill([len(tokens)]), step
+            )
+            token = int(draft.compute_logits(lh[-1:], step).argmax())
+            wrong.append(token)
+            tokens.append(token)
+            hidden_in = torch.cat(
+                [hidden_in, states[-1:]]
+            )  # the bug: the target's last feature again
+    assert wrong != drafts
+
+
+def test_checkpoint_layouts_load(setup):
+    target, _, specs = setup
+    for kind, tensor, param in [
+        ("eagle", "fc.weight", "fc.weight"),
+        ("eagle", "layers.0.mlp.down_proj.weight", "layers.0.mlp.down_proj.weight"),
+        ("eagle3", "midlayer.hidden_norm.weight", "midlayer.hidden_norm.weight"),
+        ("eagle3", "lm_head.weight", "lm_head.weight"),
+        ("mtp_deepseek", "model.layers.7.eh_proj.weight", "model.layers.7.eh_proj.weight"),
+        ("mtp_deepseek", "model.layers.6.mlp.up_proj.weight", None),
+        ("mtp_qwen3_next", "mtp.fc.weight", "mtp.fc.weight"),
+    ]:
+        with LLM(
+            target,
+            dtype="float32",
+            max_model_len=64,
+            num_kv_blocks=32,
+            speculative_config={**specs[kind], "num_speculative_tokens": 2},
+        ) as llm:
+            draft = llm.engine.core.executor.worker.draft_head
+            file = "mtp.safetensors" if kind.startswith("mtp") else "model.safetensors"
+            saved = load_file(f"{specs[kind]['model']}/{file}")[tensor]
+            params = dict(draft.named_parameters())
+            if param is None:  # a block weight of the DeepSeek layer lives under mtp_block
+                up = params["model.layers.6.mtp_block.mlp.gate_up_proj.weight"]
+                torch.testing.assert_close(up[up.shape[0] // 2 :], saved)
+            else:
+                torch.testing.assert_close(params[param], saved)
+            target_model = llm.engine.core.executor.worker.model
+            if (
+                kind != "eagle3"
+            ):  # shared with the target (EAGLE: none in the checkpoint; MTP: always)
+                assert draft.lm_head is target_model.lm_head
+            assert draft.embed_tokens is target_model.model.embed_tokens
+
+
+def test_eagle3_d2t_direction_and_prenorm_hidden(setup):
+    target, _hf, specs = setup
+    with LLM(
+        target,
+        dtype="float32",
+        max_model_len=64,
+        num_kv_blocks=32,
+        speculative_config={**specs["eagle3"], "num_speculative_tokens": 2},
+    ) as llm:
+        draft = llm.engine.core.executor.worker.draft_head
+    d2t = load_file(f"{specs['eagle3']['model']}/model.safetensors")["d2t"]
+    hidden = torch.randn(3, draft.config.hidden_size)
+    with torch.no_grad():
+        logits = draft.compute_logits(hidden, 0)  # [3, target_vocab]
+        draft_logits = draft.lm_head(hidden)  # [3, draft_vocab]
+        best = draft_logits.argmax(-1)
+        # target = draft + d2t[draft]; the reverse direction would pick other ids
+        assert torch.equal(logits.argmax(-1), best + d2t[best])
+        assert torch.isinf(logits).sum(-1).eq(logits.shape[1] - d2t.shape[0]).all()
+        # the hidden handed to the next pass is the layer's pre-norm output
+        ids = torch.tensor([3, 4, 5])
+        meta = AttentionMetadata.for_prefill([3])
+        normed, next_hidden = draft(ids, hidden, meta, 1)
+        x, residual = draft.midlayer(meta.positions, draft.embed_tokens(ids), hidden, meta)
+        torch.testing.assert_close(next_hidden, x + residual)
+        torch.testing.assert_close(normed, draft.norm(x + residual))
+
+
+def test_mtp_layer_per_step(setup):
+    """Pass s uses MTP layer s % num_layers (DeepSeek style, 2 layers here)."""
+    target, _, specs = setup
+    with LLM(
+        target,
+        dtype="float32",
+        max_model_len=64,
+        num_kv_blocks=32,
+        speculative_config={**specs["mtp_deepseek"], "num_speculative_tokens": 3},
+    ) as llm:
+        draft = llm.engine.core.executor.worker.draft_head
+    assert draft.num_attention_layers == 2
+    ids, hidden = torch.tensor([3, 4]), torch.randn(2, draft.config.hidden_size)
+    meta = AttentionMetadata.for_prefill([2])
+    with torch.no_grad():
+        outputs = [draft(ids, hidden, meta, step)[0] for step in range(4)]
+        for step, out in enumerate(outputs):
+            layer = draft.model.layers[str(draft.first_layer_idx + step % 2)]
+            fused = torch.cat([layer.enorm(draft.embed_tokens(ids)), layer.hnorm(hidden)], -1)
+            h, residual = layer.mtp_block(meta.positions, layer.eh_proj(fused), None, meta)
+            torch.testing.assert_close(out, h + residual)
+            logits = draft.compute_logits(out, step)
+            torch.testing.assert_close(logits, draft.lm_head(layer.shared_head.norm(out)))
+    assert not torch.allclose(outputs[0], outputs[1])
+    torch.testing.assert_close(outputs[0], outputs[2])
+
+
+def test_proposer_runs_pass_s_with_step_s(setup):
+    target, _, specs = setup
+    with LLM(
+        target,
+        dtype="float32",
+        max_model_len=64,
+        num_kv_blocks=32,
+        speculative_config={**specs["mtp_deepseek"], "num_speculative_tokens": 3},
+    ) as llm:
+        draft = llm.engine.core.executor.worker.draft_head
+        steps = []
+        original = draft.forward
+
+        def recording_forward(input_ids, hidden, meta, step):
+            steps.append(step)
+            return original(input_ids, hidden, meta, step)
+
+        draft.forward = recording_forward
+        llm.generate(
+            {"prompt_token_ids": PROMPT},
+            SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+            use_tqdm=False,
+        )
+    assert steps[:3] == [0, 1, 2]

@@ -1,0 +1,77 @@
+"""Lossless greedy speculation on the real default model (SmolLM2-135M-Instruct).
+
+Every method, with randomly initialised heads (the trained head arrives later), at
+k = 1, 3, 5, on 8 chat prompts batched: outputs equal speculation off and transformers'.
+"""
+
+import pytest
+import torch
+from draft_checkpoints import write_all
+from greedy_reference import assert_greedy_equal, hf_greedy
+from transformers import AutoModelForCausalLM
+
+from cluster import LLM, SamplingParams
+
+NEW_TOKENS = 16
+QUESTIONS = [
+    "Hi!",
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain how a bicycle works.",
+    "Repeat this: one two three, one two three, one two three.",
+    "List three fruits that are red.",
+    "What is 12 plus 30?",
+    "Describe the colour blue to someone who has never seen it, in two sentences.",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+ENGINE = dict(dtype="float32", max_model_len=160, max_num_seqs=8, num_kv_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, smollm2_path):
+    specs = write_all(str(tmp_path_factory.mktemp("smol_drafts")), smollm2_path, seed=1)
+    with LLM(smollm2_path, **ENGINE) as llm:
+        tokenizer = llm.get_tokenizer()
+        prompts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+            for q in QUESTIONS
+        ]
+        baseline = [
+            o.outputs[0].token_ids
+            for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False
+            )
+        ]
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    for prompt, ours in zip(prompts, baseline, strict=True):
+        assert_greedy_equal(hf, prompt, ours, hf_greedy(hf, prompt, NEW_TOKENS))
+    return smollm2_path, specs, prompts, baseline
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method",
+    [
+        "eagle",
+        "eagle_norm_fusion",
+        "eagle3",
+        "mtp_deepseek",
+        "mtp_qwen3_next",
+        "ngram",
+        "draft_model",
+    ],
+)
+def test_lossless_on_smollm2(setup, method):
+    path, specs, prompts, baseline = setup
+    for k in (1, 3, 5):
+        with LLM(
+            path, speculative_config={**specs[method], "num_speculative_tokens": k}, **ENGINE
+        ) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+            assert llm.get_metrics()["num_draft_tokens"] > 0
+        assert [o.outputs[0].token_ids for o in outs] == baseline, (method, k)
