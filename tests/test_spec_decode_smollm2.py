@@ -6,11 +6,11 @@ k = 1, 3, 5, on 8 chat prompts batched: outputs equal speculation off and transf
 
 import pytest
 import torch
-from draft_checkpoints import write_all
 from greedy_reference import assert_greedy_equal, hf_greedy
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM, SamplingParams
+from cluster.spec_decode.random_heads import write_all
 
 NEW_TOKENS = 16
 QUESTIONS = [

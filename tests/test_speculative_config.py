@@ -1,11 +1,11 @@
 """SpeculativeConfig: method detection from checkpoints, and clear errors."""
 
 import pytest
-from draft_checkpoints import write_all
 from tiny_models import make_tiny_chat_model, make_tiny_llama
 
 from cluster.config import engine_config_from_args
 from cluster.spec_decode.ngram import ngram_drafts
+from cluster.spec_decode.random_heads import write_all
 from cluster.speculative_config import SpeculativeConfig
 
 

@@ -1,4 +1,7 @@
-"""Random draft checkpoints written in the layouts public checkpoints use.
+"""Random (untrained) draft checkpoints in the layouts public checkpoints use.
+
+For plumbing tests and overhead benchmarks: speculation must stay lossless with any
+draft, and a random head measures what drafting costs when nothing is accepted.
 
 EAGLE (`fc.weight`, `layers.N.*`), the normalised-fusion EAGLE (`enorm`, `hnorm`,
 `eh_proj`, `layers.0.*`, `norm`), EAGLE-3 (`fc.weight` [H, 3H], `midlayer.*`, `norm`,
@@ -169,13 +172,12 @@ def write_qwen3_next_mtp(path: str, target_path: str, num_layers: int = 1, seed:
 
 
 def write_draft_lm(path: str, target_path: str, seed: int = 0) -> str:
-    """A 1-layer random Llama with the target's vocabulary and tokenizer files."""
-    from tiny_models import make_tiny_llama
+    """A 1-layer random Llama with the target's vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = _cfg(target_path)
-    make_tiny_llama(
-        path,
-        seed=seed,
+    torch.manual_seed(seed)
+    config = LlamaConfig(
         vocab_size=cfg["vocab_size"],
         hidden_size=32,
         intermediate_size=64,
@@ -185,6 +187,7 @@ def write_draft_lm(path: str, target_path: str, seed: int = 0) -> str:
         max_position_embeddings=cfg["max_position_embeddings"],
         tie_word_embeddings=True,
     )
+    LlamaForCausalLM(config).save_pretrained(path)
     return path
 
 
