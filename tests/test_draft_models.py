@@ -223,3 +223,83 @@ def test_proposer_runs_pass_s_with_step_s(setup):
             use_tqdm=False,
         )
     assert steps[:3] == [0, 1, 2]
+
+
+class SteeredProposer:
+    """Runs the real proposer (so the draft's KV evolves as in production) but hands the
+    scheduler drafts that are the target's greedy continuation with a wrong token at a
+    varying position, so steps accept 0..k drafts. Records the real drafts."""
+
+    def __init__(self, inner, continuations, k, vocab):
+        self.inner, self.continuations, self.k, self.vocab = inner, continuations, k, vocab
+        self.needs_token_history = True
+        self.calls = []
+
+    def propose(self, batch):
+        real = self.inner.propose(batch)
+        steered = []
+        for i, history in enumerate(batch.token_history):
+            if not batch.sampled[i]:
+                steered.append([])
+                continue
+            prompt = next(p for p in self.continuations if tuple(history[: len(p)]) == p)
+            done = len(history) - len(prompt)
+            right = self.continuations[prompt][done : done + self.k]
+            wrong_at = len(self.calls) % (self.k + 1)
+            steered.append(
+                [t if j != wrong_at else (t + 1) % self.vocab for j, t in enumerate(right)]
+            )
+            self.calls.append((list(history), real.token_ids[i]))
+        return type(real)(steered, [None] * len(steered))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_drafts_after_partial_acceptance_equal_a_recompute(setup, kind):
+    target, hf, specs = setup
+    prompts = [PROMPT, list(range(30, 52))]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    engine = dict(
+        dtype="float32", max_model_len=64, num_kv_blocks=64, block_size=4, max_num_batched_tokens=12
+    )
+    with LLM(target, **engine) as llm:
+        base = [
+            o.outputs[0].token_ids
+            for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False
+            )
+        ]
+    with LLM(
+        target, speculative_config={**specs[kind], "num_speculative_tokens": K}, **engine
+    ) as llm:
+        worker = llm.engine.core.executor.worker
+        steered = SteeredProposer(
+            worker.runner.proposer,
+            {tuple(p): b for p, b in zip(prompts, base, strict=True)},
+            K,
+            hf.config.vocab_size,
+        )
+        worker.runner.proposer = steered
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        accepted = llm.get_metrics()["acceptance_per_position"]
+        draft = worker.draft_head
+    assert [o.outputs[0].token_ids for o in outs] == base
+    assert 0 < accepted[0] < 1 and accepted[-1] > 0  # steps accepted some, none and all drafts
+    aux = getattr(draft, "aux_layers", None)
+    for history, real in steered.calls:
+        with torch.no_grad():
+            states = hf(torch.tensor([history[:-1]]), output_hidden_states=True).hidden_states
+            features = torch.cat([states[i][0] for i in aux], -1) if aux else states[-1][0]
+            hidden_in = draft.combine_target_hidden(features)
+            tokens, expected = history[1:], []
+            for step in range(len(real)):
+                lh, nh = draft(
+                    torch.tensor(tokens),
+                    hidden_in,
+                    AttentionMetadata.for_prefill([len(tokens)]),
+                    step,
+                )
+                token = int(draft.compute_logits(lh[-1:], step).argmax())
+                expected.append(token)
+                tokens = [*tokens, token]
+                hidden_in = torch.cat([hidden_in, nh[-1:]])
+        assert real == expected
