@@ -1,0 +1,1 @@
+"""Training draft heads for a target: data from the target itself, cached features, EAGLE-3."""

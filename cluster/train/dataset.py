@@ -1,0 +1,117 @@
+"""Training data for a draft head: the target's own answers, and its features cached on disk.
+
+1. `generate_answers`: the target answers every prompt with our engine (greedy, the way
+   the head will be evaluated), so the head learns the target's own continuations.
+2. `cache_features`: one target forward per batch of whole sequences records, at every
+   position, the residual streams entering the EAGLE-3 layers (exactly what the engine
+   hands the head at inference). Shards of float16 tensors are written to `out_dir`;
+   existing shards are reused, so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from cluster.config import ModelConfig
+from cluster.models.attention import AttentionMetadata
+from cluster.models.loader import load_model
+from cluster.parallel import ParallelState
+
+
+@dataclass(frozen=True)
+class Sample:
+    token_ids: list[int]  # prompt + answer
+    answer_start: int  # index of the first answer token
+
+
+def generate_answers(
+    target_path: str, prompts: list[str], max_tokens: int, out_file: str, max_num_seqs: int = 64
+) -> list[Sample]:
+    """Greedy chat answers of the target (cached in `out_file` as JSON lines)."""
+    if os.path.isfile(out_file):
+        with open(out_file) as f:
+            return [Sample(**json.loads(line)) for line in f]
+    from cluster import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    with LLM(target_path, dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs) as llm:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    samples = [
+        Sample(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids))
+        for o in outputs
+    ]
+    tmp = out_file + ".tmp"
+    with open(tmp, "w") as f:
+        for s in samples:
+            f.write(json.dumps({"token_ids": s.token_ids, "answer_start": s.answer_start}) + "\n")
+    os.replace(tmp, out_file)
+    return samples
+
+
+@torch.inference_mode()
+def cache_features(
+    target_path: str,
+    samples: list[Sample],
+    aux_layers: tuple[int, ...],
+    out_dir: str,
+    shard_size: int = 64,
+    max_batch_tokens: int = 2048,
+) -> list[str]:
+    """Write shards `{"token_ids", "answer_start", "features"}` (features: list of
+    [len, len(aux_layers) * hidden] float16); returns the shard paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    model = load_model(
+        ModelConfig(path=target_path, dtype="float32"), ParallelState.single(), show_progress=False
+    )
+    paths = []
+    for shard_index, start in enumerate(
+        tqdm(range(0, len(samples), shard_size), desc="Caching features")
+    ):
+        path = os.path.join(out_dir, f"shard_{shard_index:05d}.pt")
+        paths.append(path)
+        if os.path.isfile(path):
+            continue
+        shard = samples[start : start + shard_size]
+        features = [
+            f
+            for group in _groups(shard, max_batch_tokens)
+            for f in _aux_states(model, group, aux_layers)
+        ]
+        torch.save(
+            {
+                "token_ids": [s.token_ids for s in shard],
+                "answer_start": [s.answer_start for s in shard],
+                "features": features,
+            },
+            path + ".tmp",
+        )
+        os.replace(path + ".tmp", path)
+    return paths
+
+
+def _groups(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
+    """Consecutive samples packed into forwards of at most `max_tokens` tokens."""
+    groups: list[list[Sample]] = [[]]
+    for sample in samples:
+        if (
+            groups[-1]
+            and sum(len(s.token_ids) for s in groups[-1]) + len(sample.token_ids) > max_tokens
+        ):
+            groups.append([])
+        groups[-1].append(sample)
+    return [g for g in groups if g]
+
+
+def _aux_states(
+    model: torch.nn.Module, group: list[Sample], aux_layers: tuple[int, ...]
+) -> list[torch.Tensor]:
+    """Per sample, [len, len(aux_layers) * hidden] float16 from one flattened forward."""
+    lens = [len(s.token_ids) for s in group]
+    ids = torch.tensor([t for s in group for t in s.token_ids])
+    _, aux = model(ids, AttentionMetadata.for_prefill(lens), aux_layers)
+    return list(torch.cat(aux, dim=-1).half().split(lens))

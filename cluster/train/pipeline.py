@@ -1,0 +1,115 @@
+"""`cluster train-draft`: prompts -> the target's answers -> cached features -> a trained head.
+
+Every stage caches its result under `--work-dir`, so a rerun resumes where it stopped.
+Only EAGLE-3 heads are trained so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from cluster.models.eagle3 import eagle3_aux_layers
+from cluster.train.dataset import cache_features, generate_answers
+from cluster.train.prompts import build_prompts
+from cluster.train.trainer import TrainConfig, train_eagle3
+
+
+def train_draft(
+    target: str,
+    out_dir: str,
+    work_dir: str,
+    max_tokens: int,
+    num_prompts: int | None,
+    config: TrainConfig,
+) -> dict:
+    from safetensors import safe_open
+
+    from cluster.config import ModelConfig
+
+    model_config = ModelConfig(path=target, dtype="float32")
+    hf = model_config.hf_config
+    aux = eagle3_aux_layers(int(hf.num_hidden_layers))
+    train_prompts, eval_prompts = build_prompts(seed=config.seed)
+    if num_prompts is not None:
+        train_prompts = train_prompts[:num_prompts]
+    started = time.time()
+    splits = {}
+    for name, prompts in (("train", train_prompts), ("eval", eval_prompts)):
+        samples = generate_answers(
+            target, prompts, max_tokens, os.path.join(work_dir, f"answers_{name}.jsonl")
+        )
+        splits[name] = cache_features(
+            target, samples, aux, os.path.join(work_dir, f"features_{name}")
+        )
+    data_seconds = time.time() - started
+    with safe_open(os.path.join(target, "model.safetensors"), framework="pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight").float()
+        head = f.get_tensor("lm_head.weight").float() if "lm_head.weight" in f.keys() else embed  # noqa: SIM118
+    started = time.time()
+    result = train_eagle3(
+        hf,
+        embed,
+        head,
+        os.path.join(work_dir, "features_train"),
+        os.path.join(work_dir, "features_eval"),
+        out_dir,
+        config,
+    )
+    recipe = {
+        "method": "eagle3",
+        "target": os.path.basename(os.path.normpath(target)),
+        "train_prompts": len(train_prompts),
+        "eval_prompts": len(eval_prompts),
+        "max_tokens": max_tokens,
+        "config": config.__dict__,
+        "data_seconds": round(data_seconds),
+        "train_seconds": round(time.time() - started),
+        **result,
+    }
+    with open(os.path.join(out_dir, "recipe.json"), "w") as f:
+        json.dump(recipe, f, indent=2)
+    return recipe
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="cluster train-draft", description=__doc__)
+    parser.add_argument("--method", default="eagle3", choices=["eagle3"])
+    parser.add_argument("--target", default=None, help="HF folder (default: the embedded SmolLM2)")
+    parser.add_argument("--out", required=True, help="where the head is written")
+    parser.add_argument("--work-dir", default=None, help="cache for answers and features")
+    parser.add_argument("--max-tokens", type=int, default=96, help="answer length per prompt")
+    parser.add_argument(
+        "--num-prompts", type=int, default=None, help="use only the first N train prompts"
+    )
+    parser.add_argument("--epochs", type=int, default=TrainConfig.epochs)
+    parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--draft-vocab-size", type=int, default=TrainConfig.draft_vocab_size)
+    parser.add_argument("--ttt-steps", type=int, default=TrainConfig.ttt_steps)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.target is None:
+        from cluster.models.default_model import ensure_default_model
+
+        args.target = ensure_default_model()
+    work_dir = args.work_dir or os.path.join(args.out, "work")
+    config = TrainConfig(
+        draft_vocab_size=args.draft_vocab_size,
+        ttt_steps=args.ttt_steps,
+        epochs=args.epochs,
+        lr=args.lr,
+        seed=args.seed,
+    )
+    print(
+        json.dumps(
+            train_draft(args.target, args.out, work_dir, args.max_tokens, args.num_prompts, config),
+            indent=2,
+        )
+    )

@@ -1,0 +1,142 @@
+"""The EAGLE-3 trainer: its model is the engine's head (same layout, same maths, TTT
+attention matching inference), and a short training run lowers the loss and exports a
+head the engine loads and keeps lossless."""
+
+import pytest
+import torch
+from tiny_models import make_tiny_chat_model
+
+from cluster import LLM, SamplingParams
+from cluster.config import ModelConfig
+from cluster.models.attention import AttentionMetadata
+from cluster.models.eagle3 import eagle3_aux_layers
+from cluster.models.loader import load_draft_head, load_model
+from cluster.parallel import ParallelState
+from cluster.speculative_config import SpeculativeConfig
+from cluster.train.dataset import Sample, cache_features
+from cluster.train.eagle3_model import Eagle3Trainable
+from cluster.train.trainer import (
+    TrainConfig,
+    draft_vocabulary,
+    export_eagle3,
+    load_shards,
+    train_eagle3,
+)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, smollm2_path):
+    root = tmp_path_factory.mktemp("train")
+    target = str(root / "target")
+    hf = make_tiny_chat_model(target, smollm2_path, num_hidden_layers=6, seed=2, vocab_size=300)
+    g = torch.Generator().manual_seed(0)
+    samples = [
+        Sample(torch.randint(0, 300, (n,), generator=g).tolist(), answer_start=4)
+        for n in (12, 20, 9, 16)
+    ]
+    aux = eagle3_aux_layers(6)
+    cache_features(target, samples, aux, str(root / "features"), shard_size=2)
+    return target, hf, root, samples
+
+
+def test_features_are_the_engines_aux_states(setup):
+    target, _, root, samples = setup
+    shards = load_shards(str(root / "features"))
+    model = load_model(
+        ModelConfig(path=target, dtype="float32"), ParallelState.single(), show_progress=False
+    )
+    ids = torch.tensor(samples[1].token_ids)
+    with torch.no_grad():
+        _, aux = model(ids, AttentionMetadata.for_prefill([len(ids)]), eagle3_aux_layers(6))
+    torch.testing.assert_close(shards[1]["features"].float(), torch.cat(aux, -1).half().float())
+
+
+def test_trainable_equals_the_inference_head_with_teacher_forcing(setup):
+    """TTT step j at row p must equal the engine's draft run as a chain from anchor p whose
+    step-s input token is the true token (teacher forcing)."""
+    target, hf, root, _samples = setup
+    shards = load_shards(str(root / "features"))
+    d2t, t2d = draft_vocabulary(shards, 64, 300)
+    torch.manual_seed(1)
+    trainable = Eagle3Trainable(hf.config, 64, hf.model.embed_tokens.weight.detach())
+    with torch.no_grad():
+        for p in trainable.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    out = root / "exported"
+    out.mkdir()
+    export_eagle3(trainable, hf.config, d2t, t2d, str(out))
+    state = ParallelState.single()
+    model_config = ModelConfig(path=target, dtype="float32")
+    engine_target = load_model(model_config, state, show_progress=False)
+    head = load_draft_head(
+        SpeculativeConfig(model=str(out), num_speculative_tokens=3),
+        model_config,
+        engine_target,
+        state,
+    )
+
+    seq = shards[1]
+    ids, feats = torch.tensor(seq["token_ids"]), seq["features"].float()
+    steps = 3
+    with torch.no_grad():
+        train_logits = trainable(
+            ids[None], feats[None], torch.ones(1, len(ids), dtype=torch.bool), steps
+        )
+        for anchor in (3, 8, 12):
+            hidden_in = head.combine_target_hidden(feats[: anchor + 1])
+            tokens = ids[1 : anchor + 2].tolist()
+            for step in range(steps):
+                lh, nh = head(
+                    torch.tensor(tokens),
+                    hidden_in,
+                    AttentionMetadata.for_prefill([len(tokens)]),
+                    step,
+                )
+                draft_logits = head.lm_head(lh[-1:])[0]  # draft vocabulary
+                torch.testing.assert_close(
+                    draft_logits, train_logits[step][0, anchor], atol=2e-4, rtol=1e-4
+                )
+                tokens.append(int(ids[anchor + 2 + step]))  # teacher forcing, as in training
+                hidden_in = torch.cat([hidden_in, nh[-1:]])
+
+
+def test_short_training_lowers_the_loss_and_stays_lossless(setup):
+    target, hf, root, _ = setup
+    out = str(root / "trained")
+    config = TrainConfig(draft_vocab_size=128, ttt_steps=2, epochs=20, lr=3e-3, batch_tokens=64)
+    embed = hf.model.embed_tokens.weight.detach()
+    result = train_eagle3(
+        hf.config,
+        embed,
+        hf.lm_head.weight.detach(),
+        str(root / "features"),
+        str(root / "features"),
+        out,
+        config,
+    )
+    first, last = result["history"][0], result["history"][-1]
+    assert last["train_loss"] < first["train_loss"] - 1.0  # it learns (here: memorises) the data
+    assert last["held_out_accuracy"][0] > first["held_out_accuracy"][0]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = dict(dtype="float32", max_model_len=64, num_kv_blocks=32)
+    with LLM(target, **engine) as llm:
+        base = (
+            llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, greedy, use_tqdm=False)[0]
+            .outputs[0]
+            .token_ids
+        )
+    with LLM(
+        target, speculative_config={"model": out, "num_speculative_tokens": 3}, **engine
+    ) as llm:
+        assert (
+            llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, greedy, use_tqdm=False)[0]
+            .outputs[0]
+            .token_ids
+            == base
+        )
+    # resuming from the last checkpoint trains no further epochs and exports the same head
+    again = train_eagle3(
+        hf.config, embed, hf.lm_head.weight.detach(), str(root / "features"), None, out, config
+    )
+    assert again["history"] == []
