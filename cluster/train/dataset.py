@@ -30,27 +30,37 @@ class Sample:
 
 
 def generate_answers(
-    target_path: str, prompts: list[str], max_tokens: int, out_file: str, max_num_seqs: int = 64
+    target_path: str,
+    prompts: list[str],
+    max_tokens: int,
+    out_file: str,
+    max_num_seqs: int = 64,
+    chunk: int = 128,
 ) -> list[Sample]:
-    """Greedy chat answers of the target (cached in `out_file` as JSON lines)."""
-    if os.path.isfile(out_file):
-        with open(out_file) as f:
-            return [Sample(**json.loads(line)) for line in f]
+    """Greedy chat answers of the target, appended to `out_file` (JSON lines) a chunk of
+    prompts at a time, so an interrupted run resumes after the last finished chunk."""
+    samples = _read_samples(out_file)
+    if len(samples) >= len(prompts):
+        return samples[: len(prompts)]
     from cluster import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     with LLM(target_path, dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs) as llm:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
-    samples = [
-        Sample(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids))
-        for o in outputs
-    ]
-    tmp = out_file + ".tmp"
-    with open(tmp, "w") as f:
-        for s in samples:
-            f.write(json.dumps({"token_ids": s.token_ids, "answer_start": s.answer_start}) + "\n")
-    os.replace(tmp, out_file)
-    return samples
+        for start in tqdm(range(len(samples), len(prompts), chunk), desc="Answering prompts"):
+            batch = [[{"role": "user", "content": p}] for p in prompts[start : start + chunk]]
+            outputs = llm.chat(batch, params, use_tqdm=False)
+            with open(out_file, "a") as f:
+                for o in outputs:
+                    ids = o.prompt_token_ids + o.outputs[0].token_ids
+                    f.write(json.dumps({"token_ids": ids, "answer_start": len(o.prompt_token_ids)}) + "\n")
+    return _read_samples(out_file)[: len(prompts)]
+
+
+def _read_samples(path: str) -> list[Sample]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [Sample(**json.loads(line)) for line in f if line.strip()]
 
 
 @torch.inference_mode()
