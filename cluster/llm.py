@@ -64,6 +64,17 @@ class LLM:
         )
         self.engine = build_engine(self.config)
 
+    @classmethod
+    def from_manifest(cls, path: str, **overrides: Any) -> LLM:
+        """The engine a Serve manifest describes, in this process (same model, parallelism,
+        cache, scheduler and speculation). Any engine argument can be overridden;
+        `speculative_config=None` turns speculation off."""
+        from cluster.serve.manifest import load_manifest
+
+        engine_args = load_manifest(path).args.engine_args()
+        engine_args.update(overrides)
+        return cls(**engine_args)
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
