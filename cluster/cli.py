@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def _convert(args: argparse.Namespace) -> None:
@@ -22,7 +23,54 @@ def _demo(args: argparse.Namespace) -> None:
     run_demo(max_new_tokens=args.max_tokens, prompts=args.prompt or None)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from cluster.serve.manifest import ManifestError, deployment_plan, validate_manifest
+
+    try:
+        manifest, model_checked = validate_manifest(args.manifest)
+    except ManifestError as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.dry_run:
+        plan = {**deployment_plan(manifest), "model_checked": model_checked}
+        print(json.dumps(plan, indent=2, default=str))
+        return
+    from cluster.serve.launch import serve_forever
+
+    try:
+        serve_forever(manifest, args.address, args.host, args.port)
+    except ManifestError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from cluster.generate_cli import run_generate
+
+    run_generate(args)
+
+
+def _chat(args: argparse.Namespace) -> None:
+    from cluster.generate_cli import run_chat
+
+    run_chat(args)
+
+
+def _add_source_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--manifest", help="run the engine this manifest describes, here")
+    parser.add_argument("--url", help="or ask a running server (`cluster serve`) instead")
+    parser.add_argument("--api-key", help="the server's API key, if it has one")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+
+
 def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train-draft"]:  # its own parser: many training options
+        from cluster.train.pipeline import main as train_main
+
+        train_main(argv[1:])
+        return
     parser = argparse.ArgumentParser(prog="cluster", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -39,6 +87,29 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     demo.set_defaults(func=_demo)
+
+    sub.add_parser("train-draft", help="train an EAGLE-3 head for a target (--help for options)")
+
+    serve = sub.add_parser(
+        "serve", help="deploy a manifest on Ray Serve (starting or joining Ray) until Ctrl-C"
+    )
+    serve.add_argument("manifest", help="a Serve config file, e.g. manifests/default.yaml")
+    serve.add_argument("--address", help="Ray address (default: a running cluster, else local)")
+    serve.add_argument("--host", help="HTTP host (default: the manifest's, else 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="HTTP port (default: the manifest's, else free)")
+    serve.add_argument(
+        "--dry-run", action="store_true", help="validate and print the deployment plan only"
+    )
+    serve.set_defaults(func=_serve)
+
+    generate = sub.add_parser("generate", help="complete prompts (offline or from a server)")
+    generate.add_argument("prompts", nargs="+", help="one or more prompts")
+    _add_source_args(generate)
+    generate.set_defaults(func=_generate)
+
+    chat = sub.add_parser("chat", help="chat on stdin, one turn per line (/exit to stop)")
+    _add_source_args(chat)
+    chat.set_defaults(func=_chat)
 
     args = parser.parse_args(argv)
     args.func(args)
