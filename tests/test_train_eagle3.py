@@ -65,7 +65,7 @@ def test_trainable_equals_the_inference_head_with_teacher_forcing(setup):
                 p.add_(torch.randn_like(p) * 0.05)
     out = root / "exported"
     out.mkdir()
-    export_eagle3(trainable, hf.config, d2t, t2d, str(out))
+    export_eagle3(trainable, hf.config, d2t, t2d, str(out), dtype=torch.float32)
     state = ParallelState.single()
     model_config = ModelConfig(path=target, dtype="float32")
     engine_target = load_model(model_config, state, show_progress=False)

@@ -52,7 +52,10 @@ def generate_answers(
             with open(out_file, "a") as f:
                 for o in outputs:
                     ids = o.prompt_token_ids + o.outputs[0].token_ids
-                    f.write(json.dumps({"token_ids": ids, "answer_start": len(o.prompt_token_ids)}) + "\n")
+                    f.write(
+                        json.dumps({"token_ids": ids, "answer_start": len(o.prompt_token_ids)})
+                        + "\n"
+                    )
     return _read_samples(out_file)[: len(prompts)]
 
 

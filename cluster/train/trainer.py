@@ -29,7 +29,7 @@ from cluster.train.eagle3_model import Eagle3Trainable
 
 @dataclass(frozen=True)
 class TrainConfig:
-    draft_vocab_size: int = 8192
+    draft_vocab_size: int = 4096
     ttt_steps: int = 3
     epochs: int = 2
     lr: float = 1e-3
