@@ -227,10 +227,18 @@ def train_eagle3(
 
 
 def export_eagle3(
-    model: Eagle3Trainable, target_config: Any, d2t: torch.Tensor, t2d: torch.Tensor, out_dir: str
+    model: Eagle3Trainable,
+    target_config: Any,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    out_dir: str,
+    dtype: torch.dtype = torch.float16,
 ) -> None:
-    """Write `model.safetensors` + `config.json` in the public EAGLE-3 layout."""
-    save_file(model.export_state(d2t, t2d), os.path.join(out_dir, "model.safetensors"))
+    """Write `model.safetensors` + `config.json` in the public EAGLE-3 layout (weights in
+    `dtype`, float16 by default to keep shipped heads small)."""
+    state = model.export_state(d2t, t2d)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    save_file(state, os.path.join(out_dir, "model.safetensors"))
     config = target_config.to_dict()
     for key in ("quantization_config", "_name_or_path", "transformers_version"):
         config.pop(key, None)
