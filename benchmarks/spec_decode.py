@@ -1,11 +1,15 @@
 """Speculative decoding: tokens/s with and without speculation, per method, at batch 1
 and 16, with acceptance statistics.
 
-Draft heads are random (untrained) unless `--heads DIR` points at trained ones, so this
-measures the plumbing's overhead: with an always-rejected draft, how much slower is a
-step than speculation off? n-gram drafts do get accepted on repetitive text.
+Draft heads are random (untrained), which measures the plumbing's overhead: with an
+always-rejected draft, how much slower is a step than speculation off? n-gram drafts do
+get accepted on repetitive text. `--head DIR` adds a trained EAGLE-3 head
+("eagle3-trained"), measured on held-out chat prompts (`--prompts heldout`). The last
+column checks the measured mean acceptance length against (1 - a^(k+1)) / (1 - a) from
+the measured per-token acceptance a.
 
     python benchmarks/spec_decode.py [--model PATH] [--k 3] [--new-tokens 32] [--batches 1 16]
+    python benchmarks/spec_decode.py --head cluster/heads/smollm2-eagle3 --methods eagle3-trained ngram --prompts heldout
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import warnings
 from cluster import LLM, SamplingParams
 from cluster.models.default_model import ensure_default_model
 from cluster.spec_decode.random_heads import write_all
+from cluster.train.prompts import build_prompts
 
 warnings.filterwarnings("ignore")
 
@@ -49,11 +54,19 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--methods", nargs="+", default=None)
+    parser.add_argument("--head", default=None, help="a trained EAGLE-3 head folder")
+    parser.add_argument("--prompts", choices=["builtin", "heldout"], default="builtin")
+    parser.add_argument("--num-prompts", type=int, default=16)
     args = parser.parse_args()
 
     path = args.model or ensure_default_model()
     specs = write_all(tempfile.mkdtemp(prefix="random-heads-"), path, seed=0)
+    if args.head:
+        specs["eagle3-trained"] = {"method": "eagle3", "model": args.head}
     methods = args.methods or list(specs)
+    questions = QUESTIONS
+    if args.prompts == "heldout":
+        questions = build_prompts()[1][: args.num_prompts]
     engine = dict(dtype="float32", max_model_len=512, max_num_seqs=max(args.batches))
     rows = []
     with LLM(path, **engine) as llm:
@@ -65,7 +78,7 @@ def main() -> None:
                 tokenize=True,
                 return_dict=False,
             )
-            for q in QUESTIONS
+            for q in questions
         ]
         batches = {b: [chats[i % len(chats)] for i in range(b)] for b in args.batches}
         run(llm, batches[args.batches[0]], 4)  # warm-up
