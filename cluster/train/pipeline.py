@@ -59,6 +59,7 @@ def train_draft(
         os.path.join(work_dir, "features_eval"),
         out_dir,
         config,
+        checkpoint_dir=work_dir,
     )
     recipe = {
         "method": "eagle3",

@@ -147,6 +147,7 @@ def train_eagle3(
     eval_dir: str | None,
     out_dir: str,
     config: TrainConfig,
+    checkpoint_dir: str | None = None,
 ) -> dict[str, Any]:
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
@@ -176,7 +177,8 @@ def train_eagle3(
         ),
     )
     os.makedirs(out_dir, exist_ok=True)
-    checkpoint = os.path.join(out_dir, "train_state.pt")
+    os.makedirs(checkpoint_dir or out_dir, exist_ok=True)
+    checkpoint = os.path.join(checkpoint_dir or out_dir, "train_state.pt")
     start_epoch = 0
     if os.path.isfile(checkpoint):
         state = torch.load(checkpoint)
