@@ -1,0 +1,193 @@
+"""What serving through Ray costs: latency and throughput of the same engine in this
+process (`LLM.generate`), through a Serve handle (`LLMServer`) and through HTTP (the
+OpenAI route, with the `openai` client), streamed and not, at concurrency 1 and 16.
+
+`c` clients each send requests back to back (greedy, `--max-tokens` tokens, ignore_eos)
+until `--requests-per-client` each are done; in process, each round of `c` requests is
+one batch. Prints a markdown table; the last column is throughput relative to the
+in-process engine, and the lines below it estimate what Ray adds per engine step at
+concurrency 1 (each step is one token then, without speculation).
+
+    python benchmarks/serve.py [--manifest manifests/default.yaml] [--no-spec]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+import warnings
+from collections.abc import Awaitable, Callable
+
+warnings.filterwarnings("ignore")
+
+PROMPTS = [f"Tell me something interesting about topic number {i}." for i in range(64)]
+Call = Callable[[str], Awaitable[int]]  # one request -> its output token count
+
+
+async def measure(call: Call, concurrency: int, per_client: int) -> dict[str, float]:
+    latencies: list[float] = []
+    tokens = 0
+
+    async def client(c: int) -> None:
+        nonlocal tokens
+        for i in range(per_client):
+            start = time.perf_counter()
+            n = await call(PROMPTS[(c * per_client + i) % len(PROMPTS)])
+            latencies.append(time.perf_counter() - start)
+            tokens += n  # (not `tokens += await ...`: that reads `tokens` before awaiting)
+
+    await call(PROMPTS[0])  # warm-up
+    start = time.perf_counter()
+    await asyncio.gather(*(client(c) for c in range(concurrency)))
+    return _summary(latencies, tokens, time.perf_counter() - start)
+
+
+def in_process(engine_args: dict, params, concurrency: int, per_client: int) -> dict:
+    """The same engine here: `per_client` rounds of `concurrency` requests, each round one
+    `LLM.generate` batch (clients in lockstep; with ignore_eos they finish together)."""
+    from cluster import LLM
+
+    with LLM(**engine_args) as llm:
+        llm.generate(PROMPTS[:1], params, use_tqdm=False)  # warm-up
+        latencies, tokens, start = [], 0, time.perf_counter()
+        for r in range(per_client):
+            batch = PROMPTS[r * concurrency : (r + 1) * concurrency]
+            begin = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
+            latencies += [time.perf_counter() - begin] * len(batch)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        wall = time.perf_counter() - start
+    return _summary(latencies, tokens, wall)
+
+
+def _summary(latencies: list[float], tokens: int, wall: float) -> dict[str, float]:
+    q = statistics.quantiles(latencies, n=10) if len(set(latencies)) > 1 else latencies * 9
+    return {
+        "mean": statistics.fmean(latencies),
+        "p50": statistics.median(latencies),
+        "p90": q[8],
+        "tok_s": tokens / wall,
+    }
+
+
+def ray_calls(manifest, params) -> dict[str, Call]:
+    import openai
+    from ray import serve
+
+    from cluster.serve import GenerateRequest
+    from cluster.serve.launch import deploy
+
+    _, url = deploy(manifest)
+    handle = serve.get_deployment_handle("LLMServer", manifest.app_name)
+    model = manifest.args.served_model_name
+    clients: dict[int, openai.AsyncOpenAI] = {}  # one per event loop
+
+    def client() -> openai.AsyncOpenAI:
+        key = id(asyncio.get_running_loop())
+        if key not in clients:
+            clients[key] = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+        return clients[key]
+
+    http = {"max_tokens": params.max_tokens, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+    async def handle_whole(prompt: str) -> int:
+        request = GenerateRequest(prompt=prompt, sampling_params=params)
+        return len((await handle.generate.remote(request)).token_ids)
+
+    async def handle_stream(prompt: str) -> int:
+        request = GenerateRequest(prompt=prompt, sampling_params=params, stream=True)
+        chunks = [c async for c in handle.options(stream=True).generate.remote(request)]
+        return chunks[-1].num_output_tokens
+
+    async def http_whole(prompt: str) -> int:
+        out = await client().completions.create(model=model, prompt=prompt, **http)
+        return out.usage.completion_tokens
+
+    async def http_stream(prompt: str) -> int:
+        stream = await client().completions.create(
+            model=model, prompt=prompt, stream=True, stream_options={"include_usage": True}, **http
+        )
+        usage = [c.usage async for c in stream if c.usage]
+        return usage[-1].completion_tokens
+
+    return {
+        "Serve handle": handle_whole,
+        "Serve handle, streamed": handle_stream,
+        "HTTP (openai client)": http_whole,
+        "HTTP, streamed": http_stream,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--manifest", default="manifests/default.yaml")
+    parser.add_argument("--model", help="another checkpoint folder than the manifest's")
+    parser.add_argument("--no-spec", action="store_true", help="turn speculation off")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--num-cpus", type=float, default=None, help="for a local Ray")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads, here and per worker actor"
+    )
+    args = parser.parse_args()
+
+    import ray
+    import torch
+
+    from cluster import SamplingParams
+    from cluster.serve import load_manifest
+
+    torch.set_num_threads(args.threads)
+    manifest = load_manifest(args.manifest).with_args(
+        placement={"threads_per_worker": args.threads}
+    )
+    if args.no_spec:
+        manifest = manifest.with_args(speculative=None)
+    if args.model:
+        manifest = manifest.with_args(
+            model={"path": args.model, "id": "model", "max_model_len": None}
+        )
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    results: dict[tuple[str, int], dict[str, float]] = {}
+    base = "in-process LLM.generate"
+    for c in args.concurrency:  # before Ray starts, so the two never compete for the cores
+        results[base, c] = in_process(
+            manifest.args.engine_args(), params, c, args.requests_per_client
+        )
+        print(f"  {base:24s} c={c:<3d} {results[base, c]}", flush=True)
+    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        for name, call in ray_calls(manifest, params).items():
+            for c in args.concurrency:
+                results[name, c] = asyncio.run(measure(call, c, args.requests_per_client))
+                print(f"  {name:24s} c={c:<3d} {results[name, c]}", flush=True)
+    finally:
+        ray.shutdown()
+
+    spec = "off" if manifest.args.speculative is None else manifest.args.speculative["method"]
+    print(
+        f"\n{manifest.args.served_model_name}, speculation {spec}, {args.max_tokens} tokens "
+        f"per request, {args.requests_per_client} requests per client\n"
+    )
+    print(
+        "| path | concurrency | mean latency (s) | p50 (s) | p90 (s) | tokens/s | vs in-process |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for (name, c), r in results.items():
+        ratio = r["tok_s"] / results[base, c]["tok_s"]
+        print(
+            f"| {name} | {c} | {r['mean']:.3f} | {r['p50']:.3f} | {r['p90']:.3f} "
+            f"| {r['tok_s']:.1f} | {ratio:.2f}x |"
+        )
+    unit = "step" if spec == "off" else "token"  # with drafts, a step makes several tokens
+    if 1 in args.concurrency:
+        for name in ("Serve handle", "HTTP (openai client)"):
+            extra = (results[name, 1]["mean"] - results[base, 1]["mean"]) / args.max_tokens
+            print(f"\nRay cost per {unit} at concurrency 1 ({name}): {extra * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

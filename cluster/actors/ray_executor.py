@@ -1,0 +1,163 @@
+"""`RayExecutor`: the engine's executor with one `WorkerActor` per rank.
+
+Shaped like `MultiprocExecutor`: every call goes to every rank as msgpack bytes and the
+one reporting rank's reply is the step's output. Differences: workers are Ray actors
+pinned to the bundles of a placement group (the Serve replica's, one passed in, or one
+created here), they are ranked by node then bundle before torch.distributed starts, and
+the rendezvous address is found at run time on the rank-0 worker's node.
+
+Waiting is fail-fast: the first rank that dies or raises ends the call with its error,
+so a lost worker fails the step within seconds instead of hanging on its peers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+import ray
+from ray.util.placement_group import get_current_placement_group, remove_placement_group
+
+from cluster.actors.placement import (
+    ACTOR_NAMESPACE,
+    PlacementConfig,
+    WorkerSlot,
+    bundle_strategy,
+    create_placement_group,
+    rank_order,
+    rendezvous_host,
+)
+from cluster.actors.worker_actor import WorkerActor
+from cluster.config import EngineConfig
+from cluster.engine.executor import Executor
+from cluster.engine.messages import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class RayExecutor(Executor):
+    def __init__(
+        self,
+        config: EngineConfig,
+        placement: PlacementConfig | None = None,
+        placement_group: Any = None,
+        name_prefix: str | None = None,
+        init_timeout_s: float = 600.0,
+        step_timeout_s: float = 600.0,
+        health_timeout_s: float = 10.0,
+    ) -> None:
+        self.config = config
+        self.placement = placement or PlacementConfig(
+            use_gpu=config.model.resolved_device == "cuda"
+        )
+        self.step_timeout_s = step_timeout_s
+        self.health_timeout_s = health_timeout_s
+        world_size = config.parallel.world_size
+        self.workers: list[Any] = []
+        self.slots: list[WorkerSlot] = []
+        self._own_pg = None
+        pg = placement_group or get_current_placement_group()
+        if pg is None:
+            pg = self._own_pg = create_placement_group(self.placement, world_size)
+        if pg.bundle_count < world_size:
+            raise ValueError(
+                f"the placement group has {pg.bundle_count} bundles, {world_size} needed"
+            )
+        self.placement_group = pg
+        try:
+            self._start_workers(world_size, name_prefix, init_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        tp = config.parallel.tensor_parallel_size
+        self.output_rank = world_size - tp  # TP rank 0 of the last pipeline stage
+
+    def _start_workers(self, world_size: int, name_prefix: str | None, timeout_s: float) -> None:
+        start = time.monotonic()
+        actors = []
+        for bundle in range(world_size):
+            options: dict[str, Any] = {
+                "num_cpus": self.placement.worker_cpus,
+                "num_gpus": 1 if self.placement.use_gpu else 0,
+                "scheduling_strategy": bundle_strategy(self.placement_group, bundle),
+            }
+            if name_prefix:
+                options.update(name=f"{name_prefix}-worker-{bundle}", namespace=ACTOR_NAMESPACE)
+            actors.append(
+                WorkerActor.options(**options).remote(bundle, self.placement.torch_threads)
+            )
+        self.workers = actors  # so that shutdown() reaches them if ranking fails
+        slots = self._get_all([a.slot.remote() for a in actors], timeout_s)
+        order = rank_order(slots, ray.get_runtime_context().get_node_id())
+        self.workers = [actors[i] for i in order]
+        self.slots = [slots[i] for i in order]
+        init_method = ray.get(
+            self.workers[0].rendezvous.remote(rendezvous_host(self.slots)), timeout=timeout_s
+        )
+        config_json = self.config.model_dump_json()
+        self._get_all(
+            [w.init_worker.remote(config_json, r, init_method) for r, w in enumerate(self.workers)],
+            timeout_s,
+        )
+        logger.info(
+            "%d workers ready in %.1f s (init %s, nodes %s)",
+            world_size,
+            time.monotonic() - start,
+            init_method,
+            [s.node_id[:8] for s in self.slots],
+        )
+
+    def _get_all(self, refs: list[Any], timeout_s: float) -> list[Any]:
+        """Results by rank; raises the first failure at once (dead actor or exception)."""
+        index = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(
+                pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not ready:
+                ranks = sorted(index[r] for r in pending)
+                raise TimeoutError(f"worker ranks {ranks} did not answer in {timeout_s} s")
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                raise RuntimeError(f"worker rank {index[ready[0]]} is dead ({e})") from e
+        return ray.get(refs)
+
+    def available_kv_blocks(self) -> int:
+        return min(self._get_all([w.available_kv_blocks.remote() for w in self.workers], 600))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._get_all([w.initialize_kv_cache.remote(num_blocks) for w in self.workers], 600)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        payload = scheduler_output.encode()
+        refs = [w.execute_model.remote(payload) for w in self.workers]
+        replies = self._get_all(refs, self.step_timeout_s)
+        return ModelRunnerOutput.decode(replies[self.output_rank])
+
+    def check_health(self) -> None:
+        """Every worker answers a ping within `health_timeout_s`, or this raises."""
+        self._get_all([w.ping.remote() for w in self.workers], self.health_timeout_s)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Rank -> bundle and node, for operators and tests."""
+        return [
+            {"rank": r, "bundle": s.bundle_index, "node_id": s.node_id, "pid": s.pid}
+            for r, s in enumerate(self.slots)
+        ]
+
+    def shutdown(self) -> None:
+        # Killing is the shutdown: a rank may be blocked in a collective with a dead peer,
+        # and the process exit frees its memory and its process group either way.
+        for worker in self.workers:
+            with contextlib.suppress(Exception):
+                ray.kill(worker, no_restart=True)
+        self.workers = []
+        if self._own_pg is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self._own_pg)
+            self._own_pg = None

@@ -1,0 +1,186 @@
+"""`SchedulerActor`: one engine's core (scheduler, KV block accounting, request state).
+
+It owns an `EngineCore` whose executor is a `RayExecutor`, so creating it creates the
+workers (they fate-share with it, and it with the Serve replica that created it). A
+background thread runs the step loop: apply queued commands, `core.step()` (which sends
+the msgpack scheduler output to every worker and takes the reporting rank's result),
+publish the per-request outputs. Callers never touch the core directly: `add_request`,
+`abort` and `finish_by_stop_string` only queue commands, and `get_outputs` long-polls
+for what the loop published, so one RPC per step carries every request's tokens.
+
+`health` answers from another thread even while a step runs: it fails when the loop has
+died, when one step has run longer than `stall_timeout_s`, or when a worker does not
+answer its ping.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+import ray
+
+from cluster.actors.placement import PlacementConfig
+from cluster.actors.ray_executor import RayExecutor
+from cluster.actors.wire import EngineStats, OutputBatch, decode_request
+from cluster.config import EngineConfig
+from cluster.engine.core import EngineCore
+from cluster.engine.messages import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote(max_concurrency=8)
+class SchedulerActor:
+    def __init__(
+        self,
+        config_json: str,
+        placement: PlacementConfig,
+        placement_group: Any = None,
+        name_prefix: str | None = None,
+        stall_timeout_s: float = 60.0,
+    ) -> None:
+        config = EngineConfig.model_validate_json(config_json)
+        self.stall_timeout_s = stall_timeout_s
+        self.executor = RayExecutor(config, placement, placement_group, name_prefix)
+        try:
+            self.core = EngineCore(config, self.executor)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self._cv = threading.Condition()
+        self._commands: list[tuple[str, Any]] = []
+        self._live: set[str] = set()  # request ids added and not yet finished
+        self._outbox: list[EngineCoreOutput] = []
+        self._stats = EngineStats()
+        self._error: str | None = None
+        self._stopped = False
+        self._step_started: float | None = None
+        self._thread = threading.Thread(target=self._loop, name="cluster-step-loop", daemon=True)
+        self._thread.start()
+
+    # ---- commands (any thread) -----------------------------------------------------------
+    def add_request(self, payload: bytes) -> None:
+        request = decode_request(payload)
+        with self._cv:
+            self._raise_if_dead()
+            if request.request_id in self._live:
+                raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+            self._live.add(request.request_id)
+            self._commands.append(("add", request))
+            self._cv.notify_all()
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._command("abort", request_ids)
+
+    def finish_by_stop_string(self, request_id: str, stop: str) -> None:
+        self._command("stop", (request_id, stop))
+
+    def _command(self, kind: str, arg: Any) -> None:
+        with self._cv:
+            self._commands.append((kind, arg))
+            self._cv.notify_all()
+
+    def get_outputs(self, timeout_s: float) -> bytes:
+        """Outputs published since the last call (waits up to `timeout_s` for some)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._outbox or self._error, timeout=timeout_s)
+            outputs, self._outbox = self._outbox, []
+            return OutputBatch(outputs, self._stats, self._error).encode()
+
+    # ---- health and introspection ---------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        with self._cv:
+            self._raise_if_dead()
+            started = self._step_started
+        if started is not None and time.monotonic() - started > self.stall_timeout_s:
+            raise RuntimeError(
+                f"the step loop is stalled: one step has run for "
+                f"{time.monotonic() - started:.1f} s (stall_timeout_s={self.stall_timeout_s})"
+            )
+        self.executor.check_health()
+        return {"num_live_requests": len(self._live), "num_steps": self._stats.num_steps}
+
+    def describe(self) -> dict[str, Any]:
+        blocks = self.core.block_manager
+        return {
+            "workers": self.executor.describe(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "num_kv_blocks": blocks.num_blocks,
+            "num_free_kv_blocks": blocks.num_free_blocks,
+            "num_live_requests": len(self._live),
+        }
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+        self.executor.shutdown()
+
+    def _raise_if_dead(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the engine's step loop died: {self._error}")
+
+    # ---- the step loop --------------------------------------------------------------------
+    def _loop(self) -> None:
+        core = self.core
+        try:
+            while True:
+                with self._cv:
+                    self._cv.wait_for(
+                        lambda: self._stopped or self._commands or core.has_unfinished_requests(),
+                        timeout=1.0,
+                    )
+                    if self._stopped:
+                        return
+                    commands, self._commands = self._commands, []
+                published = self._apply(commands)
+                if core.has_unfinished_requests():
+                    self._step_started = started = time.monotonic()
+                    published += core.step()
+                    self._step_started = None
+                    self._publish(published, time.monotonic() - started)
+                elif published:
+                    self._publish(published, None)
+        except BaseException as e:  # every waiter must hear about it
+            logger.exception("the step loop died")
+            with self._cv:
+                self._error = f"{type(e).__name__}: {e}"
+                self._cv.notify_all()
+
+    def _apply(self, commands: list[tuple[str, Any]]) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for kind, arg in commands:
+            if kind == "add":
+                self.core.add_request(arg)
+            elif kind == "abort":
+                outputs += self.core.abort_requests(arg)
+            else:
+                request_id, stop = arg
+                self.core.finish_by_stop_string(request_id, stop)
+                with self._cv:
+                    self._live.discard(request_id)
+        return outputs
+
+    def _publish(self, outputs: list[EngineCoreOutput], step_s: float | None) -> None:
+        """Hand outputs to `get_outputs`; `step_s` is the step's duration (None: no step)."""
+        scheduler = self.core.scheduler
+        with self._cv:
+            for out in outputs:
+                if out.finished:
+                    self._live.discard(out.req_id)
+            self._outbox += outputs
+            self._stats = EngineStats(
+                num_waiting=scheduler.num_waiting,
+                num_running=scheduler.num_running,
+                kv_usage=self.core.block_manager.usage,
+                num_preemptions=scheduler.num_preemptions,
+                num_steps=self._stats.num_steps + (step_s is not None),
+                last_step_s=self._stats.last_step_s if step_s is None else step_s,
+                spec=asdict(scheduler.spec_stats),
+            )
+            self._cv.notify_all()

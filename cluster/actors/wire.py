@@ -1,0 +1,78 @@
+"""msgpack forms of what crosses between a Serve replica and its scheduler actor.
+
+Requests go in (token ids and sampling parameters, already validated by the replica);
+batches of per-request step outputs come back with a snapshot of the engine's state.
+Plain data only, like the scheduler <-> worker messages: no pickled objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+
+from cluster.engine.messages import EngineCoreOutput, TokenLogprobs
+from cluster.engine.request import Request
+from cluster.sampling_params import SamplingParams
+
+
+def encode_request(request: Request) -> bytes:
+    return msgpack.packb(
+        {
+            "request_id": request.request_id,
+            "prompt_token_ids": request.prompt_token_ids,
+            "sampling_params": request.sampling_params.model_dump(),
+            "eos_token_id": request.eos_token_id,
+        }
+    )
+
+
+def decode_request(payload: bytes) -> Request:
+    data = msgpack.unpackb(payload)
+    return Request(
+        data["request_id"],
+        data["prompt_token_ids"],
+        SamplingParams(**data["sampling_params"]),
+        eos_token_id=data["eos_token_id"],
+    )
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The scheduler's state after its latest step."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    num_preemptions: int = 0
+    num_steps: int = 0
+    last_step_s: float = 0.0
+    # The engine's speculative-decoding counters (`SpecDecodingStats` fields), cumulative.
+    spec: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OutputBatch:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    stats: EngineStats = field(default_factory=EngineStats)
+    error: str | None = None  # set once the step loop has died
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            {
+                "outputs": [asdict(o) for o in self.outputs],
+                "stats": asdict(self.stats),
+                "error": self.error,
+            }
+        )
+
+    @staticmethod
+    def decode(payload: bytes) -> OutputBatch:
+        data: dict[str, Any] = msgpack.unpackb(payload)
+        outputs = []
+        for o in data["outputs"]:
+            if o["new_logprobs"] is not None:
+                o["new_logprobs"] = [TokenLogprobs(**t) for t in o["new_logprobs"]]
+            outputs.append(EngineCoreOutput(**o))
+        return OutputBatch(outputs, EngineStats(**data["stats"]), data["error"])

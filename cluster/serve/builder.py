@@ -1,0 +1,99 @@
+"""`build_app(args)`: the manifest's `import_path` target (`cluster.serve:build_app`).
+
+Validates `args` completely before anything starts: the schema (unknown keys, k = 0,
+placement) and, through the engine's own config, the model (TP dividing the heads,
+context length, KV room). Only then does it return the Serve application:
+
+    OpenAIIngress (FastAPI, HTTP) --handle--> LLMServer (one engine per replica)
+
+`LLMServer` gets one placement-group bundle per rank (`placement_group_bundles`), its
+replica merged into bundle 0, with the manifest's strategy (PACK by default).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import ray
+from ray import serve
+from ray.serve import Application
+
+from cluster.serve.args import ClusterArgs
+from cluster.serve.openai_app import make_ingress_class
+from cluster.serve.server import LLMServer
+
+LLM_DEPLOYMENT = "LLMServer"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+# An engine that failed to load will not load on the 20th try (Serve's default) either.
+MAX_CONSTRUCTOR_RETRIES = 3
+
+
+def resolve_device(args: ClusterArgs) -> Literal["cpu", "cuda"]:
+    """`auto` is cuda when the Ray cluster (or, without Ray, this machine) has GPUs."""
+    if args.model.device != "auto":
+        return args.model.device
+    if ray.is_initialized():
+        return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def prepare_args(args: ClusterArgs | dict[str, Any]) -> ClusterArgs:
+    """Validated args with the device resolved; raises ValueError on a bad manifest."""
+    args = ClusterArgs.model_validate(args)
+    args = args.with_device(resolve_device(args))
+    args.engine_config()  # model checks: heads vs TP, max_model_len, KV room, the draft
+    return args
+
+
+def llm_deployment_options(args: ClusterArgs) -> dict[str, Any]:
+    placement = args.placement_config()
+    return {
+        "name": LLM_DEPLOYMENT,
+        "ray_actor_options": {"num_cpus": placement.replica_cpus},
+        "placement_group_bundles": placement.bundles(args.parallel.world_size),
+        "placement_group_strategy": placement.strategy,
+        "max_ongoing_requests": 2 * args.scheduler.max_num_seqs,
+        "max_constructor_retry_count": MAX_CONSTRUCTOR_RETRIES,
+    }
+
+
+def ingress_deployment_options() -> dict[str, Any]:
+    return {"name": INGRESS_DEPLOYMENT, "ray_actor_options": {"num_cpus": 0}}
+
+
+def _llm_app(args: ClusterArgs, overrides: dict[str, Any] | None) -> Application:
+    options = {**llm_deployment_options(args), **(overrides or {})}
+    return serve.deployment(LLMServer).options(**options).bind(args)
+
+
+def build_llm_app(
+    args: ClusterArgs | dict[str, Any], overrides: dict[str, Any] | None = None
+) -> Application:
+    """Only the `LLMServer` deployment (handle API, no HTTP routes)."""
+    return _llm_app(prepare_args(args), overrides)
+
+
+def build_openai_app(
+    args: ClusterArgs | dict[str, Any],
+    deployment_overrides: dict[str, dict[str, Any]] | None = None,
+) -> Application:
+    """The OpenAI ingress in front of `LLMServer`; `deployment_overrides` maps a deployment
+    name to `.options()` values (what a manifest's `deployments:` section holds)."""
+    args = prepare_args(args)
+    overrides = deployment_overrides or {}
+    llm = _llm_app(args, overrides.get(LLM_DEPLOYMENT))
+    ingress_options = {
+        **ingress_deployment_options(),
+        # The ingress only waits on the engine: let it hold as many requests as it admits.
+        "max_ongoing_requests": 4 * args.scheduler.max_num_seqs,
+        **overrides.get(INGRESS_DEPLOYMENT, {}),
+    }
+    ingress = serve.deployment(make_ingress_class()).options(**ingress_options)
+    return ingress.bind(llm, args.served_model_name, args.server)
+
+
+def build_app(args: ClusterArgs) -> Application:
+    """Serve builder (`import_path: cluster.serve:build_app`)."""
+    return build_openai_app(args)

@@ -1,0 +1,80 @@
+"""Deploying a manifest from Python or `cluster serve`: start or join Ray, start Serve's
+HTTP proxy on the manifest's (or a free) port, run the application, report its URL."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import ray
+from ray import serve
+
+from cluster.parallel.spawn import free_port
+from cluster.serve.builder import build_openai_app
+from cluster.serve.manifest import Manifest, ManifestError
+
+
+def connect_ray(address: str | None = None) -> bool:
+    """Join the Ray cluster at `address` (None: a running one if any, else a new local
+    one; "local": always a new one). True when this process started Ray."""
+    if ray.is_initialized():
+        return False
+    if address is None:
+        try:
+            ray.init(address="auto")
+            return False
+        except ConnectionError:
+            address = "local"
+    ray.init(address=address)
+    return address == "local"
+
+
+def start_http(host: str = "127.0.0.1", port: int | None = None) -> tuple[str, int]:
+    """Start Serve with its HTTP proxy on `port` (a free one when None)."""
+    port = port or free_port(host if host != "0.0.0.0" else "127.0.0.1")
+    serve.start(http_options={"host": host, "port": port})
+    return host, port
+
+
+def deploy(manifest: Manifest, host: str | None = None, port: int | None = None) -> tuple[Any, str]:
+    """Deploy and wait until RUNNING; returns the ingress handle and the base URL
+    (OpenAI clients use `<base URL>/v1`). A failed deploy removes the application."""
+    try:  # a bad manifest fails here, before Serve or any actor starts
+        app = build_openai_app(manifest.args, manifest.deployments)
+    except ValueError as e:
+        raise ManifestError(f"{manifest.path}: {e}") from None
+    http = manifest.http_options
+    host, port = start_http(host or http.get("host", "127.0.0.1"), port or http.get("port"))
+    try:
+        handle = serve.run(app, name=manifest.app_name, route_prefix=manifest.route_prefix)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            serve.delete(manifest.app_name)
+        raise
+    shown = "127.0.0.1" if host == "0.0.0.0" else host
+    return handle, f"http://{shown}:{port}{manifest.route_prefix.rstrip('/')}"
+
+
+def serve_forever(
+    manifest: Manifest,
+    address: str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+) -> None:
+    """`cluster serve`: deploy, print the URL, serve until Ctrl-C, then shut down cleanly."""
+    manifest.check_model()  # a bad manifest fails here, before Ray or any actor starts
+    started = connect_ray(address)
+    try:
+        _, url = deploy(manifest, host, port)
+        print(f"serving {manifest.args.served_model_name!r} at {url}/v1 (Ctrl-C to stop)")
+        print(f"base URL: {url}", flush=True)
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("shutting down", flush=True)
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        if started:
+            ray.shutdown()

@@ -1,0 +1,163 @@
+"""Manifests: Serve config files (`serve run` / `serve deploy` accept them as they are)
+whose application has `import_path: cluster.serve:build_app`.
+
+`load_manifest` checks everything that needs no model and no cluster: the Serve schema,
+our `args` (unknown keys, k = 0, ...), and the `deployments:` overrides (known names and
+keys; the engine's placement is set in `args.placement`, never in `ray_actor_options` or
+`placement_group_*`, which would break the replica-in-bundle-0 layout). `check_model`
+adds the checks that read the checkpoint. All of it runs before any actor starts.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from cluster.serve.args import ClusterArgs
+from cluster.serve.builder import INGRESS_DEPLOYMENT, LLM_DEPLOYMENT, prepare_args
+
+IMPORT_PATH = "cluster.serve:build_app"
+_ENGINE_OWNED = ("ray_actor_options", "placement_group_bundles", "placement_group_strategy")
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be deployed; the message says where and why."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: str
+    app_name: str
+    route_prefix: str
+    raw_args: dict[str, Any]
+    args: ClusterArgs
+    deployments: dict[str, dict[str, Any]] = field(default_factory=dict)
+    http_options: dict[str, Any] = field(default_factory=dict)
+
+    def with_args(self, **updates: Any) -> Manifest:
+        """A copy with `args` sections deep-merged with `updates` (None removes a key)."""
+        merged = _merge(copy.deepcopy(self.raw_args), updates)
+        return replace(self, raw_args=merged, args=_validate_args(merged, self.path))
+
+    def with_deployment(self, name: str, **options: Any) -> Manifest:
+        deployments = {k: dict(v) for k, v in self.deployments.items()}
+        deployments.setdefault(name, {}).update(options)
+        _check_deployment(name, deployments[name], self.path)
+        return replace(self, deployments=deployments)
+
+    def check_model(self) -> ClusterArgs:
+        """The model checks (reads config.json); raises ManifestError."""
+        try:
+            return prepare_args(self.args)
+        except ValueError as e:
+            raise ManifestError(f"{self.path}: {e}") from None
+
+
+def _merge(base: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any]:
+    for key, value in updates.items():
+        if value is None:
+            base.pop(key, None)
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def _validate_args(raw: dict[str, Any], path: str) -> ClusterArgs:
+    try:
+        return ClusterArgs.model_validate(raw)
+    except ValidationError as e:
+        raise ManifestError(f"{path}: invalid args:\n{e}") from None
+
+
+def _check_deployment(name: str, options: dict[str, Any], path: str) -> None:
+    from ray.serve.schema import DeploymentSchema
+
+    if name not in (LLM_DEPLOYMENT, INGRESS_DEPLOYMENT):
+        raise ManifestError(
+            f"{path}: unknown deployment {name!r} (this app has {LLM_DEPLOYMENT}, "
+            f"{INGRESS_DEPLOYMENT})"
+        )
+    unknown = sorted(set(options) - set(DeploymentSchema.model_fields))
+    if unknown:
+        raise ManifestError(f"{path}: deployment {name}: unknown keys {unknown}")
+    owned = sorted(set(options) & set(_ENGINE_OWNED))
+    if name == LLM_DEPLOYMENT and owned:
+        raise ManifestError(
+            f"{path}: deployment {name}: {owned} are derived from args.parallel and "
+            "args.placement (one bundle per rank, the replica in bundle 0); set those instead"
+        )
+
+
+def parse_manifest(config: dict[str, Any], path: str = "<manifest>") -> Manifest:
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        ServeDeploySchema.model_validate(config)
+    except ValidationError as e:
+        raise ManifestError(f"{path}: not a valid Serve config:\n{e}") from None
+    apps = [a for a in config["applications"] if a.get("import_path") == IMPORT_PATH]
+    if len(apps) != 1:
+        raise ManifestError(
+            f"{path}: expected exactly one application with import_path {IMPORT_PATH!r}, "
+            f"found {len(apps)}"
+        )
+    app = apps[0]
+    raw_args = app.get("args") or {}
+    deployments: dict[str, dict[str, Any]] = {}
+    for entry in app.get("deployments") or []:
+        options = {k: v for k, v in entry.items() if k != "name"}
+        _check_deployment(entry["name"], options, path)
+        deployments[entry["name"]] = options
+    return Manifest(
+        path=path,
+        app_name=app.get("name", "default"),
+        route_prefix=app.get("route_prefix", "/"),
+        raw_args=raw_args,
+        args=_validate_args(raw_args, path),
+        deployments=deployments,
+        http_options=dict(config.get("http_options") or {}),
+    )
+
+
+def load_manifest(path: str) -> Manifest:
+    with open(path) as f:
+        config = yaml.safe_load(f)
+    if not isinstance(config, dict):
+        raise ManifestError(f"{path}: expected a YAML mapping with 'applications'")
+    return parse_manifest(config, path)
+
+
+def validate_manifest(path: str) -> tuple[Manifest, bool]:
+    """Load and check a manifest; the model checks run when its folder is here.
+    Returns the manifest and whether the model was checked."""
+    manifest = load_manifest(path)
+    present = manifest.args.model_is_present()
+    if present:
+        manifest.check_model()
+    return manifest, present
+
+
+def deployment_plan(manifest: Manifest) -> dict[str, Any]:
+    """What a deploy would ask Ray for (printed by `cluster serve --dry-run`)."""
+    from cluster.serve.builder import llm_deployment_options
+
+    args = manifest.args
+    if args.model.device == "auto":  # resolved at deploy time; shown as on a CPU cluster
+        args = args.with_device("cpu")
+    options = {**llm_deployment_options(args), **manifest.deployments.get(LLM_DEPLOYMENT, {})}
+    return {
+        "app": manifest.app_name,
+        "route_prefix": manifest.route_prefix,
+        "model": args.served_model_name,
+        "device": manifest.args.model.device,
+        "tensor_parallel_size": args.parallel.tensor_parallel_size,
+        "speculative": args.speculative,
+        "llm_server": {k: v for k, v in options.items() if k != "name"},
+        "ingress": manifest.deployments.get(INGRESS_DEPLOYMENT, {}),
+    }

@@ -1,0 +1,65 @@
+"""The Serve handle API's request and output types (pydantic).
+
+    await handle.generate.remote(GenerateRequest(prompt="Hi", sampling_params=...))
+    async for chunk in handle.options(stream=True).generate.remote(
+        GenerateRequest(prompt="Hi", stream=True)
+    ): ...
+
+A streamed request yields `GenerateOutput` chunks whose `text` and `token_ids` are what
+is new since the previous chunk (their concatenation is the whole answer); a
+non-streamed one returns a single `GenerateOutput` holding everything. `stream` must
+match how the handle is called, as with OpenAI's `stream` flag (Serve cannot tell a
+replica which of the two calls it is serving).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cluster.sampling_params import SamplingParams
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class GenerateRequest(BaseModel):
+    """Exactly one of `prompt`, `prompt_token_ids` or `messages` (chat template applied)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    stream: bool = False
+    request_id: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        given = [self.prompt is not None, self.prompt_token_ids is not None, bool(self.messages)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
+        return self
+
+
+class GenerateOutput(BaseModel):
+    request_id: str
+    text: str  # streamed: the new text of this chunk; otherwise the whole answer
+    token_ids: list[int]  # likewise
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # so far (cumulative)
+    num_draft_tokens: int = 0  # speculative drafts verified so far
+    num_accepted_tokens: int = 0  # of which accepted
+    engine_id: str = ""  # the replica's engine that served it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,170 @@
+"""`LLMServer`: the Serve deployment class. One replica = one engine.
+
+The replica runs in bundle 0 of the placement group Serve made for it from
+`ClusterArgs.placement` (one bundle per rank); its `EngineClient` starts the scheduler
+actor there, which starts one worker per bundle. When the replica goes, they go.
+
+`check_health` asks the scheduler, which pings every worker and checks that its step
+loop is alive and not stalled; a failure makes Serve replace the whole replica.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from math import inf
+from typing import Any
+
+from pydantic import ValidationError
+from ray.util.placement_group import get_current_placement_group
+
+from cluster.actors.client import EngineClient
+from cluster.engine.async_llm import EngineDeadError
+from cluster.engine.input_processor import Prompt
+from cluster.serve.args import ClusterArgs
+from cluster.serve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
+from cluster.serve.metrics import ServerMetrics
+from cluster.serve.protocol import GenerateOutput, GenerateRequest
+
+
+class LLMServer:
+    def __init__(self, args: ClusterArgs | dict[str, Any]) -> None:
+        self.args = ClusterArgs.model_validate(args)
+        self.model_id = self.args.served_model_name
+        config = self.args.engine_config()
+        self.max_model_len = config.model.resolved_max_model_len
+        self.metrics = ServerMetrics(self.model_id)
+        self.engine = EngineClient(
+            config,
+            self.args.placement_config(),
+            get_current_placement_group(),
+            stall_timeout_s=self.args.server.stall_timeout_s,
+            observer=self.metrics.observe_batch,
+        )
+
+    # ---- the handle API ------------------------------------------------------------------
+    async def generate(
+        self, request: GenerateRequest | dict[str, Any]
+    ) -> GenerateOutput | AsyncIterator[GenerateOutput]:
+        """The whole answer, or (when `request.stream`) an async iterator of new pieces."""
+        try:
+            request = GenerateRequest.model_validate(request)
+        except ValidationError as e:
+            raise InvalidRequestError(str(e)) from None
+        if request.stream:
+            return self._run(request)
+        text, token_ids, last = [], [], None
+        async for chunk in self._run(request):
+            text.append(chunk.text)
+            token_ids += chunk.token_ids
+            last = chunk
+        assert last is not None
+        return last.model_copy(update={"text": "".join(text), "token_ids": token_ids})
+
+    async def _run(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        self._admit()
+        request_id = request.request_id or uuid.uuid4().hex
+        start = time.monotonic()
+        first_token_at: float | None = None
+        last: GenerateOutput | None = None
+        sent_text = sent_tokens = 0
+        outcome = "abort"  # unless it finishes or fails: the caller left
+        try:
+            prompt = self._prompt(request)
+            # Without streaming, only the final output matters: wait for it (inf).
+            interval = self.args.server.stream_interval_s if request.stream else inf
+            outputs = self.engine.generate(prompt, request.sampling_params, request_id, interval)
+            async for out in outputs:
+                completion = out.outputs[0]
+                if first_token_at is None and completion.token_ids:
+                    first_token_at = time.monotonic()
+                chunk = GenerateOutput(
+                    request_id=request_id,
+                    text=completion.text[sent_text:],
+                    token_ids=completion.token_ids[sent_tokens:],
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                    num_prompt_tokens=len(out.prompt_token_ids),
+                    num_output_tokens=len(completion.token_ids),
+                    num_draft_tokens=completion.num_draft_tokens,
+                    num_accepted_tokens=completion.num_accepted_tokens,
+                    engine_id=self.engine.engine_id,
+                )
+                sent_text, sent_tokens = len(completion.text), len(completion.token_ids)
+                last = chunk
+                yield chunk
+            outcome = (last.finish_reason if last else None) or "abort"
+        except EngineDeadError as e:
+            outcome = "error"
+            raise EngineUnavailableError(str(e)) from None
+        except ValueError as e:
+            outcome = "error"
+            raise InvalidRequestError(str(e)) from None
+        finally:
+            self._record(outcome, last, start, first_token_at)
+
+    def _admit(self) -> None:
+        if self.engine.error is not None:
+            raise EngineUnavailableError(f"the engine is dead: {self.engine.error}")
+        limit = self.args.server.max_waiting_requests
+        if limit is not None and self.engine.stats.num_waiting >= limit:
+            raise OverloadedError(
+                f"{self.engine.stats.num_waiting} requests are waiting for the engine "
+                f"(server.max_waiting_requests={limit}); retry later"
+            )
+
+    def _prompt(self, request: GenerateRequest) -> Prompt:
+        if request.prompt is not None:
+            return request.prompt
+        if request.prompt_token_ids is not None:
+            return {"prompt_token_ids": request.prompt_token_ids}
+        tokenizer = self.engine.tokenizer
+        messages = [m.model_dump() for m in request.messages or []]
+        try:
+            ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as e:  # a template may reject a conversation (e.g. role order)
+            raise ValueError(f"the chat template refused the messages: {e}") from e
+        return {"prompt_token_ids": list(ids), "prompt": text}
+
+    def _record(
+        self, outcome: str, last: GenerateOutput | None, start: float, first: float | None
+    ) -> None:
+        n = last.num_output_tokens if last else 0
+        now = time.monotonic()
+        self.metrics.request_finished(
+            outcome,
+            last.num_prompt_tokens if last else 0,
+            n,
+            None if first is None else first - start,
+            None if first is None or n < 2 else (now - first) / (n - 1),
+        )
+
+    # ---- operations ----------------------------------------------------------------------
+    async def check_health(self) -> None:
+        await self.engine.check_health(self.args.server.health_timeout_s)
+
+    async def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_id, "max_model_len": self.max_model_len}
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's state and this replica's counters (for tests and operators)."""
+        describe = await self.engine.describe()
+        return {
+            "engine_id": self.engine.engine_id,
+            "num_unfinished_requests": self.engine.num_unfinished_requests,
+            "engine": asdict(self.engine.stats),
+            **describe,
+            "metrics": self.metrics.snapshot(),
+        }
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,192 @@
+"""The engine on Ray actors (no Serve): TP shards in worker actors give the in-process
+engine's greedy tokens, and a lost or frozen worker is reported fast instead of hanging."""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import ray
+from ray_helpers import engine_actor_names, init_local_ray, wait_for
+from tiny_models import make_tiny_chat_model
+
+from cluster import LLM, SamplingParams
+from cluster.actors import EngineClient, PlacementConfig, RayExecutor
+from cluster.actors.client import _newest
+from cluster.config import engine_config_from_args
+from cluster.engine.async_llm import EngineDeadError
+from cluster.llm import build_engine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+SHORT = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # for 3 SmolLM2 shards
+PROMPTS = ["What is the capital of France?", "Name a colour.", "one two three four"]
+ENGINE = dict(dtype="float32", max_model_len=128, num_kv_blocks=64)
+HALF_CPU = PlacementConfig(worker_cpus=0.5, threads_per_worker=1)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    init_local_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_path):
+    path = str(tmp_path_factory.mktemp("tiny_ray") / "m")
+    make_tiny_chat_model(path, smollm2_path, num_hidden_layers=2)
+    return path
+
+
+def in_process(path, prompts, chat=False, params=GREEDY):
+    with LLM(path, **ENGINE) as llm:
+        if chat:
+            conversations = [[{"role": "user", "content": p}] for p in prompts]
+            outs = llm.chat(conversations, params, use_tqdm=False)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+
+def test_tp2_worker_actors_match_in_process_engine(ray_session, tiny):
+    config = engine_config_from_args(tiny, tensor_parallel_size=2, device="cpu", **ENGINE)
+    executor = RayExecutor(config, HALF_CPU)
+    layout = executor.describe()
+    assert [w["rank"] for w in layout] == [0, 1]
+    assert sorted(w["bundle"] for w in layout) == [0, 1]
+    assert len({w["pid"] for w in layout}) == 2  # two processes, one shard each
+    engine = build_engine(config, executor)
+    try:
+        ids = [engine.next_request_id() for _ in PROMPTS]
+        for request_id, prompt in zip(ids, PROMPTS, strict=True):
+            engine.add_request(request_id, prompt, GREEDY)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({s.request_id: s.token_ids for s in engine.step() if s.finish_reason})
+        executor.check_health()
+    finally:
+        engine.shutdown()
+    assert [done[i] for i in ids] == in_process(tiny, PROMPTS)
+
+
+async def _generate_all(client, prompts, params=GREEDY):
+    async def one(prompt):
+        outs = [out async for out in client.generate(prompt, params)]
+        lengths = [len(o.outputs[0].token_ids) for o in outs]
+        assert lengths == sorted(lengths) and outs[-1].finished  # incremental, then done
+        return outs[-1].outputs[0].token_ids
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def test_tp3_smollm2_through_scheduler_actor_matches_in_process(ray_session, smollm2_path):
+    prompts = PROMPTS[:2]
+    config = engine_config_from_args(smollm2_path, tensor_parallel_size=3, device="cpu", **ENGINE)
+    client = EngineClient(config, HALF_CPU)
+    try:
+        tokenizer = client.tokenizer
+        chats = [
+            {
+                "prompt_token_ids": tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            }
+            for p in prompts
+        ]
+        assert [w["rank"] for w in client.layout["workers"]] == [0, 1, 2]
+        ours = asyncio.run(_generate_all(client, chats, SHORT))
+        after = ray.get(client.scheduler.describe.remote())
+        assert after["num_free_kv_blocks"] == after["num_kv_blocks"]  # all freed
+        assert after["num_live_requests"] == 0
+    finally:
+        client.shutdown()
+    assert ours == in_process(smollm2_path, prompts, chat=True, params=SHORT)
+
+
+def _long_params():
+    return SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+
+def test_killed_worker_fails_in_flight_requests_within_seconds(ray_session, tiny):
+    config = engine_config_from_args(
+        tiny, tensor_parallel_size=2, device="cpu", dtype="float32", max_model_len=512
+    )
+    client = EngineClient(config, HALF_CPU, engine_id="killtest")
+    assert len(engine_actor_names("cluster-killtest")) == 3  # scheduler + 2 workers
+
+    async def main():
+        seen = 0
+        killed_at = None
+        with pytest.raises(EngineDeadError, match="worker rank 1 is dead"):
+            async for out in client.generate("a long answer please", _long_params()):
+                seen = len(out.outputs[0].token_ids)
+                if killed_at is None and seen >= 2:
+                    ray.kill(ray.get_actor("cluster-killtest-worker-1", namespace="cluster"))
+                    killed_at = time.monotonic()
+        assert killed_at is not None and seen < 400
+        assert time.monotonic() - killed_at < 5.0
+        with pytest.raises(EngineDeadError):  # later requests are refused at once
+            async for _ in client.generate("another", GREEDY):
+                pass
+        with pytest.raises(EngineDeadError):
+            await client.check_health()
+
+    try:
+        asyncio.run(main())
+    finally:
+        client.shutdown()
+    wait_for(lambda: not engine_actor_names("cluster-killtest"), 10, "the engine's actors to go")
+
+
+def test_frozen_worker_makes_health_check_report_a_stalled_step(ray_session, tiny):
+    config = engine_config_from_args(
+        tiny, tensor_parallel_size=2, device="cpu", dtype="float32", max_model_len=512
+    )
+    client = EngineClient(config, HALF_CPU, stall_timeout_s=1.0, engine_id="stalltest")
+    pid = client.layout["workers"][1]["pid"]
+
+    async def main():
+        assert (await client.check_health())["num_steps"] == 0
+        stream = client.generate("keep going", _long_params())
+        await stream.__anext__()
+        os.kill(pid, signal.SIGSTOP)  # alive to Ray, but it never answers: a zombie
+        try:
+            await asyncio.sleep(1.5)
+            with pytest.raises(Exception, match="the step loop is stalled"):
+                await client.check_health(timeout_s=5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            await stream.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        client.shutdown()
+
+
+def test_stream_outputs_merge_within_the_interval():
+    class Out:
+        def __init__(self, n, finished=False):
+            self.n, self.finished = n, finished
+
+    async def main():
+        queue = asyncio.Queue()
+        for n in range(3):
+            queue.put_nowait(Out(n))
+        assert (await _newest(queue, 0.0)).n == 2  # what is already there merges at once
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, queue.put_nowait, Out(3))
+        loop.call_later(0.10, queue.put_nowait, Out(4, finished=True))
+        loop.call_later(0.15, queue.put_nowait, Out(5))
+        start = time.monotonic()
+        final = await _newest(queue, 10.0)
+        assert (final.n, final.finished) == (4, True)  # a final output ends the wait
+        assert time.monotonic() - start < 1.0
+        queue.put_nowait(RuntimeError("dead"))
+        assert isinstance(await _newest(queue, 10.0), RuntimeError)
+
+    asyncio.run(main())

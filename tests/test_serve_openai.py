@@ -1,0 +1,229 @@
+"""The default manifest deployed on Serve, used through the real `openai` client over HTTP
+and through a Serve handle: greedy answers equal `LLM.from_manifest` on the same file;
+errors are OpenAI-style with real statuses; a client that leaves frees its request."""
+
+import asyncio
+import io
+import json
+import os
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import ray
+from ray import serve
+from ray_helpers import init_local_ray, speculation_supported, wait_for
+
+from cluster import LLM, SamplingParams
+from cluster.cli import main
+from cluster.serve import GenerateRequest, load_manifest
+from cluster.serve.launch import deploy
+
+DEFAULT = os.path.join(os.path.dirname(__file__), "..", "manifests", "default.yaml")
+API_KEY = "sk-test"
+MAX_TOKENS = 16
+PROMPT = "The three primary colours are"
+QUESTION = "What is the capital of France?"
+# The same overrides, as manifest sections (deployed) and as engine arguments (offline).
+SECTIONS = {
+    "model": {"max_model_len": 512},
+    "cache": {"num_kv_blocks": 96},
+    "scheduler": {"max_num_seqs": 2},
+}
+FLAT = {"max_model_len": 512, "num_kv_blocks": 96, "max_num_seqs": 2}
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_path):
+    speculating = speculation_supported(smollm2_path)
+    spec = {} if speculating else {"speculative": None}
+    manifest = (
+        load_manifest(DEFAULT)
+        .with_args(**SECTIONS, **spec, server={"api_key": API_KEY, "max_waiting_requests": 1})
+        .with_deployment("LLMServer", graceful_shutdown_timeout_s=1)
+    )
+    offline = {**FLAT, **({"speculative_config": None} if spec else {})}
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    with LLM.from_manifest(DEFAULT, **offline) as llm:
+        reference = {
+            "completion": llm.generate(PROMPT, greedy, use_tqdm=False)[0],
+            "chat": llm.chat([{"role": "user", "content": QUESTION}], greedy, use_tqdm=False)[0],
+        }
+    init_local_ray(num_cpus=2)
+    _, url = deploy(manifest)
+    reference["speculating"] = speculating
+    yield url, serve.get_deployment_handle("LLMServer", manifest.app_name), reference
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _client(url, key=API_KEY):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def test_completions_equal_offline_engine(served):
+    url, _, reference = served
+    expected = reference["completion"]
+    client = _client(url)
+    out = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert out.choices[0].text == expected.outputs[0].text
+    assert out.choices[0].finish_reason == expected.outputs[0].finish_reason
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert out.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    chunks = list(
+        client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt=PROMPT,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+        )
+    )
+    assert len(chunks) > 2
+    assert "".join(c.choices[0].text for c in chunks) == expected.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == expected.outputs[0].finish_reason
+
+
+def test_chat_completions_equal_offline_engine(served):
+    url, _, reference = served
+    expected = reference["chat"].outputs[0]
+    client = _client(url)
+    messages = [{"role": "user", "content": QUESTION}]
+    out = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected.text
+    assert out.usage.completion_tokens == len(expected.token_ids)
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_handle_generates_and_streams_the_same(served):
+    _, llm, reference = served
+    expected = reference["completion"].outputs[0]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    whole = llm.generate.remote(GenerateRequest(prompt=PROMPT, sampling_params=params)).result()
+    assert (whole.text, whole.token_ids) == (expected.text, expected.token_ids)
+    streamed = list(
+        llm.options(stream=True).generate.remote(
+            GenerateRequest(prompt=PROMPT, sampling_params=params, stream=True)
+        )
+    )
+    assert len(streamed) > 2 and streamed[-1].finished
+    assert not any(c.finished for c in streamed[:-1])
+    assert "".join(c.text for c in streamed) == expected.text
+    assert [t for c in streamed for t in c.token_ids] == expected.token_ids
+
+
+def _get(url, headers=None):
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_models_health_and_api_key(served):
+    url, _, _ = served
+    assert [m.id for m in _client(url).models.list().data] == ["SmolLM2-135M-Instruct"]
+    assert _get(f"{url}/health") == (200, {"status": "ok"})  # no key needed
+    status, body = _get(f"{url}/v1/models")
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        _client(url, key="wrong").completions.create(model="SmolLM2-135M-Instruct", prompt="x")
+
+
+def test_bad_requests_get_openai_errors(served):
+    url, _, _ = served
+    client = _client(url)
+    ok = {"model": "SmolLM2-135M-Instruct", "prompt": "hello", "max_tokens": 4}
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(**{**ok, "model": "gpt-4"})
+    for stream in (False, True):  # a stream fails before it starts: a real 400
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            client.completions.create(**ok, temperature=-1, stream=stream)
+        with pytest.raises(openai.BadRequestError, match="more than max_model_len"):
+            client.completions.create(**{**ok, "prompt": "word " * 600}, stream=stream)
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.completions.create(**ok, n=2)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[])
+    body = json.dumps({"prompt": "no model"}).encode()
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        body,
+        {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=30)
+    error = json.loads(e.value.read())["error"]
+    assert e.value.code == 400 and error["code"] == 400 and "model" in error["message"]
+
+
+def test_full_queue_gets_429_and_leaving_clients_free_their_requests(served):
+    url, llm, reference = served
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+    long = {
+        "model": "SmolLM2-135M-Instruct",
+        "prompt": "Tell a long story.",
+        "max_tokens": 400,
+        "extra_body": {"ignore_eos": True},  # so that it really is long
+    }
+
+    def stats():
+        return llm.stats.remote().result()
+
+    async def main():
+        a = await client.completions.create(**long, stream=True)  # running
+        b = await client.completions.create(**long, stream=True)  # running (max_num_seqs=2)
+        c = asyncio.ensure_future(client.completions.create(**long, stream=True))  # waits
+        await asyncio.to_thread(
+            wait_for, lambda: stats()["engine"]["num_waiting"] >= 1, 30, "a waiting request"
+        )
+        for stream in (False, True):
+            with pytest.raises(openai.RateLimitError, match="max_waiting_requests"):
+                await client.completions.create(**long, stream=stream)
+        assert (await a.__anext__()).choices[0].text is not None
+        await a.close()  # clients leave mid-stream or before their first token
+        await b.close()
+        c.cancel()
+
+    asyncio.run(main())
+
+    def all_freed():
+        s = stats()
+        idle = s["num_unfinished_requests"] == 0 and s["num_live_requests"] == 0
+        return s if idle and s["num_free_kv_blocks"] == s["num_kv_blocks"] else None
+
+    final = wait_for(all_freed, 15, "the requests to be aborted and their blocks freed")
+    metrics = final["metrics"]
+    assert metrics["requests_abort"] >= 2 and metrics["requests_error"] >= 2  # too long
+    assert metrics.get("requests_stop", 0) + metrics.get("requests_length", 0) >= 4
+    assert metrics["generation_tokens"] > 0 and metrics["prompt_tokens"] > 0
+    if reference["speculating"]:  # the default manifest drafts with n-grams
+        assert metrics["spec_decode"]["num_drafts"] > 0
+
+
+def test_cli_generate_and_chat_against_the_server(served, capsys, monkeypatch):
+    url, _, reference = served
+    remote = ["--url", url, "--api-key", API_KEY, "--max-tokens", str(MAX_TOKENS)]
+    main(["generate", *remote, PROMPT])
+    assert capsys.readouterr().out == PROMPT + reference["completion"].outputs[0].text + "\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{QUESTION}\n/exit\nnever sent\n"))
+    main(["chat", *remote])
+    assert capsys.readouterr().out == reference["chat"].outputs[0].text + "\n"

@@ -1,0 +1,187 @@
+"""Two TP=2 replicas of a tiny model behind the OpenAI route: both serve, back-pressure is
+a real 503, a killed worker fails only its replica's requests (fast) and Serve replaces
+that replica; failed or refused deploys leave no actors behind."""
+
+import asyncio
+import json
+import os
+import shutil
+import time
+
+import openai
+import pytest
+import ray
+import yaml
+from ray import serve
+from ray_helpers import engine_actor_names, init_local_ray, wait_for
+from tiny_models import make_tiny_chat_model
+
+from cluster.serve import ManifestError, build_openai_app, load_manifest
+from cluster.serve.launch import deploy
+
+LONG = {"model": "tiny", "prompt": "go on", "max_tokens": 480, "extra_body": {"ignore_eos": True}}
+
+
+def write_manifest(folder, model_path, tp=2, **deployment):
+    args = {
+        "model": {"path": model_path, "id": "tiny", "device": "cpu", "dtype": "float32"},
+        "parallel": {"tensor_parallel_size": tp},
+        "placement": {"worker_cpus": 0.25, "threads_per_worker": 1},
+        "cache": {"num_kv_blocks": 128},
+        "scheduler": {"max_num_seqs": 8},
+    }
+    args["model"]["max_model_len"] = 512
+    app = {"name": "tiny", "import_path": "cluster.serve:build_app", "args": args}
+    app["deployments"] = [{"name": "LLMServer", **deployment}]
+    path = os.path.join(folder, f"tiny-tp{tp}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump({"applications": [app]}, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_path):
+    folder = str(tmp_path_factory.mktemp("replicas"))
+    model = os.path.join(folder, "m")
+    make_tiny_chat_model(model, smollm2_path, num_hidden_layers=2)
+    return folder, model
+
+
+@pytest.fixture(scope="module")
+def app(tiny):
+    folder, model = tiny
+    manifest = load_manifest(
+        write_manifest(
+            folder,
+            model,
+            num_replicas=2,
+            max_ongoing_requests=1,
+            max_queued_requests=1,
+            health_check_period_s=1,
+            graceful_shutdown_timeout_s=1,
+        )
+    )
+    init_local_ray(num_cpus=2)
+    _, url = deploy(manifest)
+    yield url
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _client(url):
+    """A client for the running event loop (its connections belong to that loop)."""
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+async def _open(client):
+    """A long stream that has produced its first chunk."""
+    stream = await client.completions.create(**LONG, stream=True)
+    await stream.__anext__()
+    return stream
+
+
+def _engines():
+    """Engine ids of the running replicas (from their scheduler actors' names)."""
+    return {n.split("-")[1] for n in engine_actor_names() if n.endswith("-scheduler")}
+
+
+def test_both_replicas_serve_and_backpressure_is_a_503(app):
+    assert len(_engines()) == 2  # one engine (scheduler + 2 workers) per replica
+    assert len(engine_actor_names()) == 6
+
+    async def main():
+        # A replica takes one request at a time (max_ongoing_requests=1), so two streams
+        # running at once are served by the two replicas; a third finds both full and
+        # queues (max_queued_requests=1), a fourth is refused.
+        client = _client(app)
+        a = await _open(client)
+        b = await _open(client)
+        queued = asyncio.ensure_future(client.completions.create(**LONG, stream=True))
+        await asyncio.sleep(0.5)
+        with pytest.raises(openai.APIStatusError) as e:
+            await client.completions.create(**LONG, stream=True)
+        assert e.value.status_code == 503  # a real status, not a 200 with a broken stream
+        assert "overloaded" in json.dumps(e.value.body)
+        assert not queued.done()
+        queued.cancel()
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())
+
+
+def test_killed_worker_fails_its_replica_only_and_serve_replaces_it(app):
+    before = _engines()
+
+    async def read_all(stream):
+        """(when it ended, the text or the error)."""
+        try:
+            text = "".join([c.choices[0].text async for c in stream])
+        except openai.APIError as e:
+            return time.monotonic(), e
+        return time.monotonic(), text
+
+    async def main():
+        client = _client(app)
+        a = await _open(client)
+        b = await _open(client)
+        # Which replica serves `a` is the router's choice: kill a worker of one engine and
+        # tell the streams apart by which one breaks.
+        victim = sorted(before)[0]
+        ray.kill(ray.get_actor(f"cluster-{victim}-worker-1", namespace="cluster"))
+        killed_at = time.monotonic()
+        results = await asyncio.gather(read_all(a), read_all(b))
+        failed = [(t, r) for t, r in results if isinstance(r, Exception)]
+        assert len(failed) == 1, results  # only the victim's request fails ...
+        ended, error = failed[0]
+        assert "dead" in str(error) and ended - killed_at < 10  # ... with an error, fast
+        survivor = next(r for _, r in results if isinstance(r, str))
+        assert survivor  # the other replica's stream ran to its end
+        return victim
+
+    victim = asyncio.run(main())
+
+    def replaced():
+        state = serve.status().applications["tiny"].deployments["LLMServer"]
+        running = state.status == "HEALTHY" and state.replica_states.get("RUNNING") == 2
+        return running and len(engine_actor_names()) == 6 and victim not in _engines()
+
+    wait_for(replaced, 90, "Serve to replace the broken replica")
+    assert not engine_actor_names(f"cluster-{victim}")  # its scheduler and workers are gone
+    after = _engines()
+    assert len(after) == 2 and len(after & before) == 1  # the survivor and a new engine
+
+    async def both_serve():
+        client = _client(app)
+        streams = [await _open(client), await _open(client)]  # one per replica, at once
+        for stream in streams:
+            await stream.close()
+
+    asyncio.run(both_serve())
+
+
+def test_failed_deploy_leaves_no_actors(app, tiny):
+    folder, model = tiny
+    broken = os.path.join(folder, "no-weights")
+    os.makedirs(broken)
+    for name in os.listdir(model):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(model, name), broken)
+    args = load_manifest(write_manifest(folder, broken)).args  # the config is fine ...
+    before = set(engine_actor_names())
+    overrides = {"LLMServer": {"max_constructor_retry_count": 1}}
+    with pytest.raises(RuntimeError, match="Deploying application broken failed"):
+        serve.run(build_openai_app(args, overrides), name="broken", route_prefix="/broken")
+    status = serve.status().applications["broken"].deployments["LLMServer"]
+    assert "no *.safetensors files" in status.message  # ... but the weights are missing
+    serve.delete("broken")
+    wait_for(lambda: set(engine_actor_names()) <= before, 30, "the failed engines' actors to go")
+
+
+def test_refused_manifest_starts_nothing(app, tiny):
+    folder, model = tiny
+    before = engine_actor_names()
+    with pytest.raises(ManifestError, match="must divide"):  # 4 heads, TP=3
+        deploy(load_manifest(write_manifest(folder, model, tp=3)))
+    assert engine_actor_names() == before
+    assert set(serve.status().applications) == {"tiny"}
