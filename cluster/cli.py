@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     convert.set_defaults(func=_convert)
 
     demo = sub.add_parser("demo", help="answer a few chat prompts with the embedded default model")
-    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     demo.set_defaults(func=_demo)
 

@@ -1,23 +1,19 @@
-"""`cluster demo`: greedy chat answers from the embedded default model.
+"""`cluster demo`: the default deployment, end to end, in about a minute on a laptop.
 
-Until the engine lands this drives the model directly: every prompt's prefill
-and then one decode token per prompt per step go through one flattened forward
-over a contiguous KV cache. The command name stays; later it deploys the Serve
-application and compares speculation on and off.
+Starts a local Ray, deploys `manifests/default.yaml` (SmolLM2-135M-Instruct with its
+shipped EAGLE-3 head), streams a few chat answers through the Serve handle, then deploys
+the same manifest with speculation off, sends the same prompts, and prints a table:
+tokens/s with and without speculation, acceptance rate, mean acceptance length and
+per-position acceptance.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 
-import torch
-
-from cluster.config import ModelConfig
-from cluster.models.attention import AttentionMetadata, ContiguousKVCache
-from cluster.models.default_model import ensure_default_model
-from cluster.models.llama import head_dim_of
-from cluster.models.loader import load_model
-from cluster.parallel import ParallelState
+from cluster.sampling_params import SamplingParams
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -26,72 +22,77 @@ DEMO_PROMPTS = [
 ]
 
 
-@torch.no_grad()
-def greedy_generate(
-    model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None
-) -> list[list[int]]:
-    """Greedy continuations of every prompt, batched in one flattened forward per step."""
-    cfg = model.config
-    num_kv_heads = model.model.layers[0].self_attn.qkv_proj.num_kv_heads
-    max_len = max(len(p) for p in prompts) + max_new_tokens
-    cache = ContiguousKVCache(
-        cfg.num_hidden_layers,
-        len(prompts),
-        max_len,
-        num_kv_heads,
-        head_dim_of(cfg),
-        model.lm_head.weight.dtype,
-        model.lm_head.weight.device,
+def default_manifest_path() -> str:
+    return os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "manifests", "default.yaml"
     )
-    outputs: list[list[int]] = [[] for _ in prompts]
-    live = list(range(len(prompts)))
-    new_tokens = [list(p) for p in prompts]  # tokens to compute this step, per prompt
-    context = [0] * len(prompts)
-    while live:
-        starts = [0]
-        for i in live:
-            starts.append(starts[-1] + len(new_tokens[i]))
-        ids = torch.tensor([t for i in live for t in new_tokens[i]])
-        positions = torch.cat(
-            [torch.arange(context[i], context[i] + len(new_tokens[i])) for i in live]
+
+
+def _run_prompts(handle, prompts: list[str], max_new_tokens: int, show: bool) -> tuple[int, float]:
+    """(generated tokens, seconds) for the prompts, one at a time (batch 1), streamed."""
+    from cluster.serve.protocol import ChatMessage, GenerateRequest
+
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
+    tokens, seconds = 0, 0.0
+    for prompt in prompts:
+        request = GenerateRequest(
+            messages=[ChatMessage(role="user", content=prompt)], sampling_params=params, stream=True
         )
-        seq_lens = [context[i] + len(new_tokens[i]) for i in live]
-        meta = AttentionMetadata(starts, seq_lens, positions, cache, cache_slots=live)
-        hidden = model(ids, meta)  # [num_tokens, hidden]
-        last_rows = torch.tensor(starts[1:]) - 1
-        next_ids = model.compute_logits(hidden[last_rows]).argmax(-1).tolist()
-        for i, token, seq_len in zip(live, next_ids, seq_lens, strict=True):
-            outputs[i].append(token)
-            context[i], new_tokens[i] = seq_len, [token]
-        live = [
-            i for i in live if len(outputs[i]) < max_new_tokens and outputs[i][-1] != eos_token_id
-        ]
-    return outputs
+        if show:
+            print(f"\n>>> {prompt}\n", end="", flush=True)
+        start = time.perf_counter()
+        last = None
+        for chunk in handle.options(stream=True).generate.remote(request):
+            last = chunk
+            if show:
+                print(chunk.text, end="", flush=True)
+        seconds += time.perf_counter() - start
+        tokens += last.num_output_tokens if last is not None else 0
+        if show:
+            print()
+    return tokens, seconds
 
 
-def run_demo(max_new_tokens: int = 48, prompts: list[str] | None = None) -> None:
-    from transformers import AutoTokenizer
+def run_demo(
+    max_new_tokens: int = 64, prompts: list[str] | None = None, manifest_path: str | None = None
+) -> None:
+    import ray
+    from ray import serve
 
-    path = ensure_default_model()
-    config = ModelConfig(path=path, dtype="float32")
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
-    model = load_model(config, ParallelState.single())
+    from cluster.serve.launch import connect_ray, deploy
+    from cluster.serve.manifest import load_manifest
+
     prompts = prompts or DEMO_PROMPTS
-    token_ids = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-        for p in prompts
-    ]
-    start = time.perf_counter()
-    outputs = greedy_generate(model, token_ids, max_new_tokens, tokenizer.eos_token_id)
-    elapsed = time.perf_counter() - start
-    for prompt, out in zip(prompts, outputs, strict=True):
-        print(f"\n>>> {prompt}\n{tokenizer.decode(out, skip_special_tokens=True).strip()}")
-    total = sum(len(o) for o in outputs)
+    manifest = load_manifest(manifest_path or default_manifest_path())
+    started = connect_ray("local")
+    rows = []
+    try:
+        for label, m in (("on", manifest), ("off", manifest.with_args(speculative=None))):
+            deploy(m)
+            handle = serve.get_deployment_handle("LLMServer", app_name=m.app_name)
+            _run_prompts(handle, prompts[:1], 4, show=False)  # warm-up
+            tokens, seconds = _run_prompts(handle, prompts, max_new_tokens, show=label == "on")
+            spec = handle.stats.remote().result()["metrics"]["spec_decode"]
+            rows.append((label, tokens / seconds, spec))
+            serve.delete(m.app_name)
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        if started:
+            ray.shutdown()
+    method = (manifest.args.speculative or {}).get("method", "-")
+    print(f"\nspeculation: {manifest.args.speculative}\n")
     print(
-        f"\n{total} tokens for {len(prompts)} prompts in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s)"
+        "| speculation | tokens/s (batch 1) | speedup | acceptance rate | mean acceptance length | per-position acceptance |"
     )
+    print("|---|---:|---:|---:|---:|---|")
+    base = rows[-1][1]
+    for label, tps, spec in rows:
+        if label == "on":
+            per_pos = ", ".join(f"{a:.2f}" for a in spec["acceptance_per_position"])
+            print(
+                f"| on ({method}) | {tps:.1f} | {tps / base:.2f}x | {spec['acceptance_rate']:.2f} "
+                f"| {spec['mean_acceptance_length']:.2f} | {per_pos} |"
+            )
+        else:
+            print(f"| off | {tps:.1f} | 1.00x | - | - | - |")

@@ -67,6 +67,14 @@ _METHOD_OF_KIND: dict[str, str] = {
 }
 
 
+BUILTIN_PREFIX = "builtin:"
+
+
+def builtin_head_path(name: str) -> str:
+    """A draft head shipped inside the package (`cluster/heads/<name>`)."""
+    return os.path.join(os.path.dirname(__file__), "heads", name)
+
+
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
@@ -81,6 +89,25 @@ class SpeculativeConfig(BaseModel):
     # and hand it to the rejection sampler (better acceptance at high temperature);
     # "greedy": drafts are the draft's argmax, verified as delta distributions (vLLM's way).
     draft_sampling: Literal["greedy", "sample"] = "greedy"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_builtin(cls, data: Any) -> Any:
+        """`model: "builtin:<name>"` names a head shipped with the package."""
+        model = data.get("model") if isinstance(data, dict) else None
+        if isinstance(model, str) and model.startswith(BUILTIN_PREFIX):
+            path = builtin_head_path(model[len(BUILTIN_PREFIX) :])
+            if not os.path.isdir(path):
+                shipped = (
+                    sorted(os.listdir(os.path.dirname(path)))
+                    if os.path.isdir(os.path.dirname(path))
+                    else []
+                )
+                raise ValueError(
+                    f"speculative.model={model!r}: no such shipped head (shipped: {shipped})"
+                )
+            data = {**data, "model": path}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:

@@ -92,8 +92,3 @@ def ensure_default_model(out_dir: str | None = None) -> str:
         os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
         convert_gguf(default_gguf_path(), out_dir)
     return out_dir
-
-
-def default_draft_path() -> str:
-    """The EAGLE-3 head shipped for the default model (trained by `cluster train-draft`)."""
-    return os.path.join(os.path.dirname(os.path.dirname(__file__)), "heads", "smollm2-eagle3")
