@@ -104,14 +104,21 @@ def main() -> None:
                     )
                 )
 
-    print(f"model={path} k={args.k} new_tokens={args.new_tokens} (random draft heads)\n")
+    heads = "trained EAGLE-3 head + random heads" if args.head else "random draft heads"
     print(
-        "| method | batch | spec tokens/s | off tokens/s | speedup | acceptance rate | mean acceptance length |"
+        f"model={path} k={args.k} new_tokens={args.new_tokens} prompts={args.prompts} ({heads})\n"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| method | batch | spec tokens/s | off tokens/s | speedup | acceptance rate "
+        "| mean acceptance length | (1-a^(k+1))/(1-a) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    k = args.k
     for method, b, tps, base, rate, mal in rows:
+        predicted = (1 - rate ** (k + 1)) / (1 - rate) if rate < 1 else k + 1
         print(
-            f"| {method} | {b} | {tps:.1f} | {base:.1f} | {tps / base:.2f} | {rate:.2f} | {mal:.2f} |"
+            f"| {method} | {b} | {tps:.1f} | {base:.1f} | {tps / base:.2f} | {rate:.2f} "
+            f"| {mal:.2f} | {predicted:.2f} |"
         )
 
 
