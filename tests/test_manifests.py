@@ -28,7 +28,7 @@ def default_config():
         return yaml.safe_load(f)
 
 
-def test_default_manifest_is_the_embedded_default_with_ngram_speculation(smollm2_path):
+def test_default_manifest_is_the_embedded_default_with_its_eagle3_head(smollm2_path):
     manifest, model_checked = validate_manifest(DEFAULT)
     assert model_checked
     args = manifest.args
@@ -36,7 +36,15 @@ def test_default_manifest_is_the_embedded_default_with_ngram_speculation(smollm2
     assert args.served_model_name == "SmolLM2-135M-Instruct"
     assert args.parallel.tensor_parallel_size == 1 and args.model.device == "cpu"
     engine_args = args.engine_args()
-    assert engine_args["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    assert engine_args["speculative_config"] == {
+        "method": "eagle3",
+        "model": "builtin:smollm2-eagle3",
+        "num_speculative_tokens": 3,
+    }
+    spec = args.engine_config().speculative
+    assert spec.resolved_method == "eagle3" and os.path.isfile(
+        os.path.join(spec.model, "model.safetensors")
+    )
     assert engine_args["model"] == smollm2_path and engine_args["max_num_seqs"] == 32
     plan = deployment_plan(manifest)
     assert plan["llm_server"]["placement_group_bundles"] == [{"CPU": 1.1}]  # replica merged
