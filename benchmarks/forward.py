@@ -21,11 +21,12 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from cluster.config import ModelConfig
-from cluster.models.attention import AttentionMetadata, ContiguousKVCache
+from cluster.models.attention import AttentionMetadata
 from cluster.models.default_model import ensure_default_model
-from cluster.models.llama import head_dim_of
 from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
+from cluster.worker.kv_cache import PagedKVCache
+from cluster.worker.worker import attention_layer_shapes
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renames past_key_values
 
@@ -81,22 +82,24 @@ def main() -> None:
     for n in args.tokens:
         prompt = torch.randint(0, vocab, (n, ctx), device=device)
         step = torch.randint(0, vocab, (n,), device=device)
-        kv_heads = ours.model.layers[0].self_attn.qkv_proj.num_kv_heads
-        cache = ContiguousKVCache(
-            cfg.num_hidden_layers,
-            n,
-            ctx + 1,
-            kv_heads,
-            head_dim_of(cfg),
-            config.torch_dtype,
-            device,
+        # The engine's paged KV cache, one block table per sequence.
+        blocks_per_seq = -(-(ctx + 1) // 16)
+        cache = PagedKVCache(
+            attention_layer_shapes(ours), n * blocks_per_seq, 16, config.torch_dtype, device
         )
-        slots = list(range(n))
+        tables = torch.arange(n * blocks_per_seq, device=device).view(n, blocks_per_seq)
+        pos = torch.arange(ctx, device=device)
+        slots = (tables[:, pos // 16] * 16 + pos % 16).flatten()
         prefill = AttentionMetadata.for_prefill([ctx] * n, device)
-        prefill.kv_cache, prefill.cache_slots = cache, slots
+        prefill.kv_cache, prefill.slot_mapping, prefill.block_tables = cache, slots, tables
         ours(prompt.flatten(), prefill)
         decode = AttentionMetadata(
-            list(range(n + 1)), [ctx + 1] * n, torch.full((n,), ctx, device=device), cache, slots
+            list(range(n + 1)),
+            [ctx + 1] * n,
+            torch.full((n,), ctx, device=device),
+            cache,
+            slot_mapping=tables[:, ctx // 16] * 16 + ctx % 16,
+            block_tables=tables,
         )
         t_ours = timed(lambda step=step, decode=decode: ours.compute_logits(ours(step, decode)))
 
