@@ -11,12 +11,13 @@ to target-vocabulary logits. Draft attention layers are numbered after the targe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from cluster.models.attention import AttentionMetadata
+from cluster.models.llama import LlamaForCausalLM
 from cluster.parallel import ParallelLMHead, ParallelState, VocabParallelEmbedding
 
 
@@ -24,17 +25,34 @@ class DraftModel(nn.Module):
     """Base of the draft heads. Subclasses set `num_attention_layers` and implement
     `forward`; embedding and head are their own when the checkpoint has them."""
 
+    # Every head is built from Llama blocks: the same checkpoint-name mapping.
+    packed_modules_mapping: ClassVar = LlamaForCausalLM.packed_modules_mapping
+    ignored_checkpoint_tensors: ClassVar = (*LlamaForCausalLM.ignored_checkpoint_tensors, "t2d")
     num_attention_layers: int = 1
     # The target's modules are used when the checkpoint has none (or always, for MTP).
     embed_tokens: VocabParallelEmbedding | None
     lm_head: ParallelLMHead | None
 
-    def __init__(self, config: Any, target_config: Any, state: ParallelState) -> None:
+    def __init__(
+        self,
+        config: Any,
+        target_config: Any,
+        state: ParallelState,
+        dtype: torch.dtype,
+        tensor_names: set[str],
+    ) -> None:
         super().__init__()
         self.config = config
         self.target_config = target_config
         self.state = state
         self.first_layer_idx = int(target_config.num_hidden_layers)
+        self.build(config, state, dtype, tensor_names)
+
+    def build(
+        self, config: Any, state: ParallelState, dtype: torch.dtype, tensor_names: set[str]
+    ) -> None:
+        """Create the head's modules (`tensor_names`: the tensors its checkpoint holds)."""
+        raise NotImplementedError
 
     def share_with_target(self, target: nn.Module) -> None:
         """Take the target's embedding and LM head where the draft has none."""

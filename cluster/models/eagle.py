@@ -10,7 +10,7 @@ Checkpoints use the public EAGLE layout (`fc.weight`, `layers.N.*`, optional
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from torch import nn
 from cluster.models.attention import AttentionMetadata
 from cluster.models.draft_base import DraftModel
 from cluster.models.layers import RMSNorm
-from cluster.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from cluster.models.llama import LlamaDecoderLayer
 from cluster.parallel import ParallelLMHead, ParallelState, ReplicatedLinear, VocabParallelEmbedding
 
 
@@ -38,18 +38,9 @@ def _own_embedding_and_head(draft: DraftModel, tensor_names: set[str], dtype: to
 
 
 class EagleLlama(DraftModel):
-    packed_modules_mapping: ClassVar = LlamaForCausalLM.packed_modules_mapping
-    ignored_checkpoint_tensors: ClassVar = (*LlamaForCausalLM.ignored_checkpoint_tensors, "t2d")
-
-    def __init__(
-        self,
-        config: Any,
-        target_config: Any,
-        state: ParallelState,
-        dtype: torch.dtype,
-        tensor_names: set[str],
+    def build(
+        self, config: Any, state: ParallelState, dtype: torch.dtype, tensor_names: set[str]
     ) -> None:
-        super().__init__(config, target_config, state)
         hidden = config.hidden_size
         self.num_attention_layers = int(config.num_hidden_layers)
         self.fc = ReplicatedLinear(
@@ -74,18 +65,9 @@ class EagleLlama(DraftModel):
 
 
 class EagleNormFusionLlama(DraftModel):
-    packed_modules_mapping: ClassVar = LlamaForCausalLM.packed_modules_mapping
-    ignored_checkpoint_tensors: ClassVar = LlamaForCausalLM.ignored_checkpoint_tensors
-
-    def __init__(
-        self,
-        config: Any,
-        target_config: Any,
-        state: ParallelState,
-        dtype: torch.dtype,
-        tensor_names: set[str],
+    def build(
+        self, config: Any, state: ParallelState, dtype: torch.dtype, tensor_names: set[str]
     ) -> None:
-        super().__init__(config, target_config, state)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(hidden, eps, dtype)
         self.hnorm = RMSNorm(hidden, eps, dtype)

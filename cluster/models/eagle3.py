@@ -12,7 +12,7 @@ takes the layer's pre-norm output. Checkpoint layout (public EAGLE-3): `fc.weigh
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from torch import nn
 from cluster.models.attention import AttentionMetadata
 from cluster.models.draft_base import DraftModel
 from cluster.models.layers import RMSNorm
-from cluster.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from cluster.models.llama import LlamaAttention, LlamaMLP
 from cluster.parallel import ParallelLMHead, ParallelState, ReplicatedLinear, VocabParallelEmbedding
 
 
@@ -58,23 +58,14 @@ class Eagle3MidLayer(nn.Module):
 
 
 class Eagle3Llama(DraftModel):
-    packed_modules_mapping: ClassVar = LlamaForCausalLM.packed_modules_mapping
-    ignored_checkpoint_tensors: ClassVar = (*LlamaForCausalLM.ignored_checkpoint_tensors, "t2d")
-
-    def __init__(
-        self,
-        config: Any,
-        target_config: Any,
-        state: ParallelState,
-        dtype: torch.dtype,
-        tensor_names: set[str],
+    def build(
+        self, config: Any, state: ParallelState, dtype: torch.dtype, tensor_names: set[str]
     ) -> None:
-        super().__init__(config, target_config, state)
         hidden = config.hidden_size
         target_hidden = int(getattr(config, "target_hidden_size", None) or hidden)
         self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
-        self.target_vocab_size = int(target_config.vocab_size)
-        self.aux_layers = eagle3_aux_layers(int(target_config.num_hidden_layers))
+        self.target_vocab_size = int(self.target_config.vocab_size)
+        self.aux_layers = eagle3_aux_layers(int(self.target_config.num_hidden_layers))
         self.fc = ReplicatedLinear(3 * target_hidden, hidden, state, dtype=dtype)
         self.midlayer = Eagle3MidLayer(config, self.first_layer_idx, state, dtype)
         self.norm = RMSNorm(hidden, config.rms_norm_eps, dtype)

@@ -13,7 +13,7 @@ the target's.
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from torch import nn
 from cluster.models.attention import AttentionMetadata
 from cluster.models.draft_base import DraftModel
 from cluster.models.layers import RMSNorm
-from cluster.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from cluster.models.llama import LlamaDecoderLayer
 from cluster.parallel import ColumnParallelLinear, ParallelState, ReplicatedLinear
 
 
@@ -49,18 +49,9 @@ class DeepSeekMTPLayer(nn.Module):
 
 
 class DeepSeekMTP(DraftModel):
-    packed_modules_mapping: ClassVar = LlamaForCausalLM.packed_modules_mapping
-    ignored_checkpoint_tensors: ClassVar = LlamaForCausalLM.ignored_checkpoint_tensors
-
-    def __init__(
-        self,
-        config: Any,
-        target_config: Any,
-        state: ParallelState,
-        dtype: torch.dtype,
-        tensor_names: set[str],
+    def build(
+        self, config: Any, state: ParallelState, dtype: torch.dtype, tensor_names: set[str]
     ) -> None:
-        super().__init__(config, target_config, state)
         self.num_attention_layers = count_mtp_layers(tensor_names, self.first_layer_idx, "deepseek")
         self.model = nn.Module()
         self.model.layers = nn.ModuleDict(
@@ -122,18 +113,9 @@ class Qwen3NextMTPModule(nn.Module):
 
 
 class Qwen3NextMTP(DraftModel):
-    packed_modules_mapping: ClassVar = LlamaForCausalLM.packed_modules_mapping
-    ignored_checkpoint_tensors: ClassVar = LlamaForCausalLM.ignored_checkpoint_tensors
-
-    def __init__(
-        self,
-        config: Any,
-        target_config: Any,
-        state: ParallelState,
-        dtype: torch.dtype,
-        tensor_names: set[str],
+    def build(
+        self, config: Any, state: ParallelState, dtype: torch.dtype, tensor_names: set[str]
     ) -> None:
-        super().__init__(config, target_config, state)
         self.num_attention_layers = count_mtp_layers(
             tensor_names, self.first_layer_idx, "qwen3_next"
         )
