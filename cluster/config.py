@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.parallel.pipeline import stage_layer_counts
 from cluster.speculative_config import SpeculativeConfig
 
 DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
@@ -96,6 +97,8 @@ class ParallelConfig(_Frozen):
 
     tensor_parallel_size: int = Field(default=1, ge=1)
     pipeline_parallel_size: int = Field(default=1, ge=1)
+    # Decoder layers per stage (e.g. (16, 14)); None splits evenly, earlier stages first.
+    pipeline_layer_partition: tuple[int, ...] | None = None
     backend: Literal["auto", "nccl", "gloo"] = "auto"
 
     @property
@@ -156,13 +159,11 @@ class EngineConfig(_Frozen):
                 f"parallel.tensor_parallel_size={tp} must divide the model's "
                 f"num_key_value_heads={num_kv_heads} or be a multiple of it"
             )
-        num_layers = int(hf.num_hidden_layers)
-        pp = self.parallel.pipeline_parallel_size
-        if pp > num_layers:
-            raise ValueError(
-                f"parallel.pipeline_parallel_size={pp} exceeds the model's "
-                f"num_hidden_layers={num_layers}"
-            )
+        stage_layer_counts(
+            int(hf.num_hidden_layers),
+            self.parallel.pipeline_parallel_size,
+            self.parallel.pipeline_layer_partition,
+        )
         max_len = self.model.resolved_max_model_len
         if max_len > self.model.max_position_embeddings:
             raise ValueError(
@@ -188,6 +189,7 @@ _FLAT_ARGS = {
     "device": ("model", "device"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
+    "pipeline_layer_partition": ("parallel", "pipeline_layer_partition"),
     "distributed_backend": ("parallel", "backend"),
     "block_size": ("cache", "block_size"),
     "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),

@@ -19,7 +19,7 @@ ChatMessages = list[dict[str, str]]
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    """In-process for one rank, spawned local processes for tensor parallelism."""
+    """In-process for one rank, spawned local processes for tensor/pipeline parallelism."""
     from cluster.worker.executors import InProcessExecutor, MultiprocExecutor
 
     if config.parallel.world_size == 1:
@@ -43,6 +43,7 @@ class LLM:
         model: str | None = None,
         *,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         dtype: str = "auto",
         max_model_len: int | None = None,
         speculative_config: dict[str, Any] | None = None,
@@ -57,6 +58,7 @@ class LLM:
             model,
             seed=seed,
             tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
             dtype=dtype,
             max_model_len=max_model_len,
             speculative_config=speculative_config,

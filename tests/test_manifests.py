@@ -91,10 +91,15 @@ BAD = {
         r"speculative: unknown keys \['num_spec_tokens'\]",
     ),
     "unknown_field": ((*APP, "args", "model", "pth"), "x", "Extra inputs are not permitted"),
-    "pipeline_parallel": (
+    "pipeline_deeper_than_model": (
         (*APP, "args", "parallel", "pipeline_parallel_size"),
-        2,
-        "pipeline_parallel_size > 1 is not supported",
+        31,
+        "pipeline_parallel_size=31 exceeds the model's num_hidden_layers=30",
+    ),
+    "bad_layer_partition": (
+        (*APP, "args", "parallel", "pipeline_layer_partition"),
+        [10, 10],
+        r"pipeline_layer_partition=\[10, 10\] has 2 entries; pipeline_parallel_size=1",
     ),
     "kv_too_small": ((*APP, "args", "cache", "num_kv_blocks"), 4, "fewer tokens than one sequence"),
     "unknown_deployment_key": ((*APP, "deployments", 0, "replicas"), 2, "unknown keys"),

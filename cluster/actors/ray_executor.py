@@ -31,7 +31,7 @@ from cluster.actors.placement import (
 )
 from cluster.actors.worker_actor import WorkerActor
 from cluster.config import EngineConfig
-from cluster.engine.executor import Executor
+from cluster.engine.executor import Executor, PendingOutput
 from cluster.engine.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -134,10 +134,22 @@ class RayExecutor(Executor):
         self._get_all([w.initialize_kv_cache.remote(num_blocks) for w in self.workers], 600)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.submit_model(scheduler_output)()
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        # An actor runs its calls in submission order: stage 0 starts the next step while
+        # the later stages finish this one.
         payload = scheduler_output.encode()
         refs = [w.execute_model.remote(payload) for w in self.workers]
-        replies = self._get_all(refs, self.step_timeout_s)
-        return ModelRunnerOutput.decode(replies[self.output_rank])
+
+        def wait() -> ModelRunnerOutput:
+            replies = self._get_all(refs, self.step_timeout_s)
+            return ModelRunnerOutput.decode(replies[self.output_rank])
+
+        return wait
+
+    def stage_timings(self) -> list[dict[str, Any]]:
+        return self._get_all([w.stage_timings.remote() for w in self.workers], 60)
 
     def check_health(self) -> None:
         """Every worker answers a ping within `health_timeout_s`, or this raises."""

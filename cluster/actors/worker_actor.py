@@ -58,6 +58,9 @@ class WorkerActor:
         on every rank but TP rank 0 of the last pipeline stage)."""
         return self._worker().execute_model(payload)
 
+    def stage_timings(self) -> dict[str, float]:
+        return self._worker().stage_timings()
+
     @ray.method(concurrency_group="health")
     def ping(self) -> int | None:
         return self.rank

@@ -7,11 +7,12 @@ same object; the offline and async engines host it in-process.
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import KVBlockManager
-from cluster.engine.executor import Executor
-from cluster.engine.messages import EngineCoreOutput
+from cluster.engine.executor import Executor, PendingOutput
+from cluster.engine.messages import EngineCoreOutput, SchedulerOutput
 from cluster.engine.request import Request
 from cluster.engine.scheduler import Scheduler
 
@@ -38,7 +39,12 @@ class EngineCore:
         lookahead = 0
         if spec is not None and spec.resolved_method != "ngram":
             lookahead = spec.num_speculative_tokens
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, max_len, lookahead)
+        # One batch in flight per pipeline stage keeps every stage busy.
+        self.max_concurrent_batches = config.parallel.pipeline_parallel_size
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, max_len, lookahead, self.max_concurrent_batches
+        )
+        self._in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -58,14 +64,30 @@ class EngineCore:
         }
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
-        scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.scheduled and not scheduler_output.freed_req_ids:
+        """Schedule a batch and run it. With pipeline stages, submit batches until one per
+        stage is in flight (returning nothing meanwhile), then finish the oldest."""
+        if self.max_concurrent_batches == 1:
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.scheduled and not scheduler_output.freed_req_ids:
+                return []
+            runner_output = self.executor.execute_model(scheduler_output)
+            return self.scheduler.update_from_output(scheduler_output, runner_output)
+        submitted = False
+        if len(self._in_flight) < self.max_concurrent_batches:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.scheduled or scheduler_output.freed_req_ids:
+                pending = self.executor.submit_model(scheduler_output)
+                self._in_flight.append((scheduler_output, pending))
+                submitted = bool(scheduler_output.scheduled)
+        if not self._in_flight or (
+            submitted and len(self._in_flight) < self.max_concurrent_batches
+        ):
             return []
-        runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        scheduler_output, pending = self._in_flight.popleft()
+        return self.scheduler.update_from_output(scheduler_output, pending())
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -6,6 +6,10 @@ catches up with that: running requests first (decode tokens, drafts, the rest of
 chunked prompt), then waiting requests in arrival order (FCFS) while sequences and
 KV blocks last. When blocks run out, the most recently admitted running request is
 preempted: its blocks are freed and it is recomputed later from scratch.
+
+With pipeline stages several batches are in flight at once (`max_concurrent_batches`):
+a request in flight is not scheduled again, nor preempted, until its output is back,
+and the requests are split evenly between the batches.
 """
 
 from __future__ import annotations
@@ -32,12 +36,16 @@ class Scheduler:
         block_manager: KVBlockManager,
         max_model_len: int,
         num_lookahead_tokens: int = 0,
+        max_concurrent_batches: int = 1,
     ) -> None:
         self.config = config
         self.blocks = block_manager
         self.max_model_len = max_model_len
         # KV slots reserved past a step's tokens for the draft's own passes.
         self.num_lookahead_tokens = num_lookahead_tokens
+        # Pipeline stages keep several batches in flight; a request is in at most one.
+        self.max_concurrent_batches = max_concurrent_batches
+        self._in_flight: set[str] = set()
         self.spec_stats = SpecDecodingStats()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -105,13 +113,17 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        max_seqs = self._max_seqs_this_step()
         scheduled: list[ScheduledRequest] = []
         new_requests: list[NewRequestData] = []
         self._preempted_this_step = False
 
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
             request = self.running[index]
+            if request.request_id in self._in_flight:
+                index += 1
+                continue
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             num_new = min(num_new, self.max_model_len - request.num_computed_tokens)
             if num_new <= 0:
@@ -130,6 +142,7 @@ class Scheduler:
             and budget > 0
             and not self._preempted_this_step
             and len(self.running) < self.config.max_num_seqs
+            and len(scheduled) < max_seqs
         ):
             request = self.waiting[0]
             num_new = request.num_tokens - request.num_computed_tokens
@@ -158,18 +171,28 @@ class Scheduler:
 
         self._step_id += 1
         freed, self._freed = self._freed, []
+        self._in_flight.update(item.req_id for item in scheduled)
         return SchedulerOutput(self._step_id, new_requests, scheduled, freed)
 
+    def _max_seqs_this_step(self) -> int:
+        """With several batches in flight, split the requests evenly between them so no
+        pipeline stage waits for a batch that took every request."""
+        if self.max_concurrent_batches == 1:
+            return self.config.max_num_seqs
+        num_requests = len(self.running) + len(self.waiting)
+        per_batch = -(-num_requests // self.max_concurrent_batches)
+        return max(1, min(self.config.max_num_seqs, per_batch))
+
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
-        """Blocks for `num_new` more tokens, preempting from the back of `running` as needed.
-        None when `request` itself had to be preempted."""
+        """Blocks for `num_new` more tokens, preempting from the back of `running` as needed
+        (never a request in flight). None when `request` itself had to be preempted."""
         while True:
             new_blocks = self.blocks.allocate(
                 request.request_id, self._slots_needed(request, num_new)
             )
             if new_blocks is not None:
                 return new_blocks
-            victim = self.running[-1]
+            victim = next(r for r in reversed(self.running) if r.request_id not in self._in_flight)
             self._preempt(victim)
             if victim is request:
                 return None
@@ -200,6 +223,7 @@ class Scheduler:
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
         drafts = dict(zip(runner_output.req_ids, runner_output.draft_token_ids, strict=False))
         for item in scheduler_output.scheduled:
+            self._in_flight.discard(item.req_id)
             request = self.requests.get(item.req_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran

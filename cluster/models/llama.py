@@ -24,6 +24,7 @@ from cluster.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from cluster.parallel.pipeline import StageActivations, stage_layer_range
 
 
 def head_dim_of(config: Any) -> int:
@@ -120,28 +121,57 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder layers of this pipeline stage. Layers of other stages are `nn.Identity`
+    placeholders so parameter names keep the checkpoint's global layer indices; the
+    embedding lives on the first stage, the final norm on the last."""
+
     def __init__(self, config: Any, state: ParallelState, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, state, dtype
-        )
+        self.config = config
+        self.state = state
+        self.dtype = dtype
+        num_layers = int(config.num_hidden_layers)
+        self.start_layer, self.end_layer = stage_layer_range(num_layers, state)
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if state.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, state, dtype
+            )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, state, dtype) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, state, dtype)
+            if self.start_layer <= i < self.end_layer
+            else nn.Identity()
+            for i in range(num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            if state.is_last_stage
+            else None
+        )
 
     def forward(
         self,
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         aux_hidden_layers: tuple[int, ...] = (),
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
-        aux: list[torch.Tensor] = []
-        for idx, layer in enumerate(self.layers):
+        intermediate: StageActivations | None = None,
+    ) -> StageActivations | tuple[torch.Tensor, list[torch.Tensor]]:
+        """First stage: from `input_ids`; later stages: from the previous stage's
+        `intermediate`. Last stage: (final-norm hidden, aux); others: `StageActivations`."""
+        if intermediate is None:
+            assert self.embed_tokens is not None, "only the first stage embeds tokens"
+            hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+            aux: list[torch.Tensor] = []
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual
+            aux = list(intermediate.aux)
+        for idx in range(self.start_layer, self.end_layer):
             if idx in aux_hidden_layers:
                 aux.append(hidden if residual is None else hidden + residual)
-            hidden, residual = layer(meta.positions, hidden, residual, meta)
+            hidden, residual = self.layers[idx](meta.positions, hidden, residual, meta)
+        assert residual is not None  # every stage has at least one layer
+        if self.norm is None:
+            return StageActivations(hidden, residual, aux)
         hidden, _ = self.norm(hidden, residual)
         return hidden, aux
 
@@ -165,28 +195,67 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.state = state
         self.model = LlamaModel(config, state, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, state, dtype=dtype)
+        self.lm_head: ParallelLMHead | None = None
+        if state.is_last_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, state, dtype=dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        if self.tie_word_embeddings and self.lm_head is not None:
+            if self.model.embed_tokens is not None:
+                self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         aux_hidden_layers: tuple[int, ...] = (),
-    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        intermediate: StageActivations | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]] | StageActivations:
         """input_ids: [num_tokens] -> final-norm hidden [num_tokens, hidden].
 
         With `aux_hidden_layers`, also returns the residual stream entering each of those
-        layers (transformers' `hidden_states[i]`), in the given layer order.
+        layers (transformers' `hidden_states[i]`), in the given layer order. A stage that
+        is not the last returns the `StageActivations` for the next one instead.
         """
-        hidden, aux = self.model(input_ids, meta, tuple(aux_hidden_layers))
+        out = self.model(input_ids, meta, tuple(aux_hidden_layers), intermediate)
+        if isinstance(out, StageActivations):
+            return out
+        hidden, aux = out
         if not aux_hidden_layers:
             return hidden
-        order = sorted(aux_hidden_layers)
+        order = sorted(set(aux_hidden_layers))  # the model collects each layer once
         return hidden, [aux[order.index(i)] for i in aux_hidden_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] float logits, gathered on every TP rank."""
+        """[n, hidden] -> [n, vocab] float logits, gathered on every TP rank (last stage)."""
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden)
+
+    def map_checkpoint_name(self, name: str) -> str | None:
+        """Checkpoint name -> parameter name on this stage; None for other stages' tensors.
+        A tied last stage without the embedding reads its LM head from the embedding."""
+        if name.startswith("model.layers."):
+            idx = int(name.split(".")[2])
+            return name if self.model.start_layer <= idx < self.model.end_layer else None
+        if name.startswith("model.embed_tokens."):
+            if self.model.embed_tokens is not None:
+                return name
+            if self.tie_word_embeddings and self.lm_head is not None:
+                return name.replace("model.embed_tokens.", "lm_head.")
+            return None
+        if name.startswith("model.norm."):
+            return name if self.model.norm is not None else None
+        if name.startswith("lm_head."):
+            return name if self.lm_head is not None else None
+        return name
+
+    def embedding_for_draft(self) -> VocabParallelEmbedding:
+        """The token embedding, created on a last stage that lacks it: shared with a tied
+        LM head, otherwise returned empty for the caller to load."""
+        if self.model.embed_tokens is None:
+            embed = VocabParallelEmbedding(
+                self.config.vocab_size, self.config.hidden_size, self.state, self.model.dtype
+            ).to(self.state.device)
+            if self.tie_word_embeddings and self.lm_head is not None:
+                embed.weight = self.lm_head.weight
+            self.model.embed_tokens = embed
+        return self.model.embed_tokens

@@ -12,7 +12,7 @@ import glob
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 
 import torch
@@ -63,21 +63,30 @@ def iterate_checkpoint(path: str, stack: ExitStack) -> Iterator[LazyTensor]:
             yield LazyTensor(name, shape, read)
 
 
-def load_weights(model: nn.Module, path: str, show_progress: bool = True) -> None:
-    """Fill every parameter of `model` from the checkpoint at `path`."""
+def load_weights(
+    model: nn.Module,
+    path: str,
+    show_progress: bool = True,
+    rename: Callable[[str], str | None] | None = None,
+) -> None:
+    """Fill every parameter of `model` from the checkpoint at `path`.
+
+    `rename` (default: the model's `map_checkpoint_name`, if any) maps checkpoint names
+    to parameter names; None skips a tensor (a draft's foreign tensors, another
+    pipeline stage's layers)."""
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     ignored: tuple[str, ...] = getattr(model, "ignored_checkpoint_tensors", ())
     tied = bool(getattr(model, "tie_word_embeddings", False))
-    rename = getattr(model, "map_checkpoint_name", None)  # drafts read foreign layouts
+    rename = rename or getattr(model, "map_checkpoint_name", None)
     loaded: dict[str, set[object]] = {}  # parameter -> shard ids filled (None: whole)
     with ExitStack() as stack:
         tensors = list(iterate_checkpoint(path, stack))
         for tensor in tqdm(tensors, desc="Loading weights", disable=not show_progress):
-            name = rename(tensor.name) if rename is not None else tensor.name
-            if name is None:
+            if tied and tensor.name == "lm_head.weight":
                 continue
-            if any(piece in name for piece in ignored) or (tied and name == "lm_head.weight"):
+            name = rename(tensor.name) if rename is not None else tensor.name
+            if name is None or any(piece in name for piece in ignored):
                 continue
             param_name, shard_id = name, None
             for ckpt_piece, (param_piece, packed_shard) in packed.items():
@@ -136,5 +145,21 @@ def load_draft_head(
     with torch.device(state.device):
         draft = cls(config, model_config.hf_config, state, model_config.torch_dtype, names)
     load_weights(draft, path, show_progress=False)
+    if draft.embed_tokens is None and target.model.embed_tokens is None:
+        _load_embedding_on_last_stage(target, model_config.path)
     draft.share_with_target(target)
     return draft.eval()
+
+
+def _load_embedding_on_last_stage(target: nn.Module, path: str) -> None:
+    """A draft that shares the target's embedding runs on the last pipeline stage, which
+    does not otherwise hold it: create it there (and read it unless tied to the LM head)."""
+    embed = target.embedding_for_draft()
+    if target.lm_head is not None and embed.weight is target.lm_head.weight:
+        return
+    load_weights(
+        embed,
+        path,
+        show_progress=False,
+        rename=lambda name: "weight" if name == "model.embed_tokens.weight" else None,
+    )

@@ -24,6 +24,8 @@ class ParallelState:
     # None when the group has a single member (every collective is then a no-op).
     tp_group: dist.ProcessGroup | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # Decoder layers per pipeline stage; None: an even split (see `parallel.pipeline`).
+    pp_layer_partition: tuple[int, ...] | None = None
 
     @staticmethod
     def single(device: str | torch.device = "cpu") -> ParallelState:
@@ -58,6 +60,7 @@ def init_parallel_state(
     backend: str,
     device: str | torch.device = "cpu",
     timeout_s: float = 300.0,
+    pp_layer_partition: tuple[int, ...] | None = None,
 ) -> ParallelState:
     """Join the process group (world = tp * pp) and build this rank's TP group.
 
@@ -89,6 +92,7 @@ def init_parallel_state(
         pp_size=pipeline_parallel_size,
         tp_group=tp_group,
         device=torch.device(device),
+        pp_layer_partition=pp_layer_partition,
     )
 
 

@@ -108,11 +108,6 @@ class ClusterArgs(_Frozen):
 
     @model_validator(mode="after")
     def _check_sections(self) -> ClusterArgs:
-        if self.parallel.pipeline_parallel_size > 1:
-            raise ValueError(
-                "parallel.pipeline_parallel_size > 1 is not supported yet (the model has no "
-                "pipeline stages); use tensor_parallel_size"
-            )
         if "use_gpu" in self.placement.model_fields_set:
             raise ValueError("placement.use_gpu follows model.device; set model.device instead")
         return self

@@ -7,14 +7,16 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import traceback
 from typing import Any
 
 import msgpack
+import torch
 import torch.multiprocessing as mp
 
 from cluster.config import EngineConfig
-from cluster.engine.executor import Executor
+from cluster.engine.executor import Executor, PendingOutput
 from cluster.engine.messages import ModelRunnerOutput, SchedulerOutput
 from cluster.parallel.spawn import free_port
 from cluster.worker.worker import Worker
@@ -32,6 +34,9 @@ class InProcessExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
+    def stage_timings(self) -> list[dict[str, Any]]:
+        return [self.worker.stage_timings()]
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         # Through the wire format, so this path checks what crosses process boundaries too.
         payload = self.worker.execute_model(scheduler_output.encode())
@@ -42,8 +47,12 @@ class InProcessExecutor(Executor):
         self.worker.shutdown()
 
 
-def _worker_loop(config_json: str, rank: int, init_method: str, conn: Any) -> None:
+def _worker_loop(
+    config_json: str, rank: int, init_method: str, conn: Any, torch_threads: int
+) -> None:
     """Serve calls `{"method": ..., "arg": ...}` until "shutdown"; reply `{"ok", "value"}`."""
+    # Ranks share this machine's cores: more threads than cores makes every rank crawl.
+    torch.set_num_threads(torch_threads)
     worker = None
     try:
         worker = Worker(EngineConfig.model_validate_json(config_json), rank, init_method)
@@ -72,20 +81,34 @@ class MultiprocExecutor(Executor):
         self.timeout_s = timeout_s
         self.conns = []
         self.procs = []
-        for rank in range(config.parallel.world_size):
+        world_size = config.parallel.world_size
+        torch_threads = max(1, (os.cpu_count() or 1) // world_size)
+        for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_loop,
-                args=(config.model_dump_json(), rank, init_method, child),
+                args=(config.model_dump_json(), rank, init_method, child, torch_threads),
                 daemon=True,
             )
             proc.start()
             child.close()  # so a dead worker reads as EOF here, not as silence
             self.conns.append(parent)
             self.procs.append(proc)
-        self._replies()  # every rank has loaded its shard
+        self._read_round()  # every rank has loaded its shard
+        # Calls are answered in order; replies read ahead (a pending step's, while another
+        # call waits) are kept by call number until their caller asks.
+        self._num_calls = 0
+        self._num_read = 0
+        self._unclaimed: dict[int, list[Any]] = {}
 
-    def _replies(self) -> list[Any]:
+    def _replies(self, call: int) -> list[Any]:
+        """Every rank's reply to call number `call`."""
+        while call not in self._unclaimed:
+            self._unclaimed[self._num_read] = self._read_round()
+            self._num_read += 1
+        return self._unclaimed.pop(call)
+
+    def _read_round(self) -> list[Any]:
         values = []
         for rank, conn in enumerate(self.conns):
             try:
@@ -99,14 +122,19 @@ class MultiprocExecutor(Executor):
             values.append(reply["value"])
         return values
 
-    def _call_all(self, method: str, *args: Any) -> list[Any]:
+    def _send_all(self, method: str, *args: Any) -> int:
+        """Send a call to every rank; returns its call number."""
         message = msgpack.packb({"method": method, "args": list(args)})
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(message)
             except OSError as e:
                 raise RuntimeError(f"worker rank {rank} is dead ({e!r})") from e
-        return self._replies()
+        self._num_calls += 1
+        return self._num_calls - 1
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        return self._replies(self._send_all(method, *args))
 
     def available_kv_blocks(self) -> int:
         return min(self._call_all("available_kv_blocks"))
@@ -115,9 +143,19 @@ class MultiprocExecutor(Executor):
         self._call_all("initialize_kv_cache", num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        replies = self._call_all("execute_model", scheduler_output.encode())
-        (payload,) = [r for r in replies if r is not None]
-        return ModelRunnerOutput.decode(payload)
+        return self.submit_model(scheduler_output)()
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        call = self._send_all("execute_model", scheduler_output.encode())
+
+        def wait() -> ModelRunnerOutput:
+            (payload,) = [r for r in self._replies(call) if r is not None]
+            return ModelRunnerOutput.decode(payload)
+
+        return wait
+
+    def stage_timings(self) -> list[dict[str, Any]]:
+        return self._call_all("stage_timings")
 
     def check_health(self) -> None:
         dead = [rank for rank, p in enumerate(self.procs) if not p.is_alive()]

@@ -2,7 +2,7 @@
 
 Per attention layer, keys and values are `[num_blocks, block_size, num_kv_heads, head_dim]`
 (this rank's KV heads; a draft head's layers follow the target's and may have their own
-head geometry). Block ids come from the engine core's `KVBlockManager`;
+head geometry). A pipeline stage holds only its own layers, from `first_layer_idx` on. Block ids come from the engine core's `KVBlockManager`;
 `AttentionMetadata.slot_mapping` and `block_tables` say where this step's tokens go and
 where each sequence's context lives.
 """
@@ -26,8 +26,12 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         backend: str = "auto",
+        first_layer_idx: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.dtype = dtype
+        # A later pipeline stage's first layer: layer `first_layer_idx + i` uses tensor i.
+        self.first_layer_idx = first_layer_idx
         self.backend = backend
         shapes = [(num_blocks, block_size, heads, dim) for heads, dim in layer_shapes]
         self.k = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
@@ -48,7 +52,8 @@ class PagedKVCache:
     ) -> torch.Tensor:
         if meta.slot_mapping is None or meta.block_tables is None:
             raise ValueError("PagedKVCache needs AttentionMetadata.slot_mapping and block_tables")
-        k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
+        index = layer_idx - self.first_layer_idx
+        k_cache, v_cache = self.k[index], self.v[index]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=self.backend)
         return paged_attention(
             q,

@@ -5,11 +5,14 @@ The runner keeps a small per-request state (prompt and output ids for penalties 
 n-gram lookup, the request's generator, its block table, the distributions its pending
 drafts were sampled from) that the scheduler output updates every step. Every TP rank
 samples the same tokens (same logits, same generators) and proposes the same drafts, so
-all ranks agree; only one of them reports.
+all ranks agree; only one of them reports. With pipeline stages, a stage that is not the
+last runs its layers and hands the activations on; sampling and drafting happen on the
+last stage, and the next step's token ids reach every stage from the scheduler.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +25,8 @@ from cluster.engine.messages import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from cluster.parallel import ParallelState
+from cluster.parallel.pipeline import StageActivations
 from cluster.sample import (
     Logprobs,
     RejectionSampler,
@@ -61,8 +66,10 @@ class ModelRunner:
         proposer: object | None = None,
         aux_hidden_layers: tuple[int, ...] = (),
         sampler_backend: str = "auto",
+        state: ParallelState | None = None,
     ) -> None:
         self.model = model
+        self.state = state or ParallelState.single(device)
         self.kv_cache = kv_cache
         self.device = device
         self.proposer = proposer
@@ -71,6 +78,13 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler, backend=sampler_backend)
         self.requests: dict[str, CachedRequestState] = {}
+        # Activations from earlier stages carry the aux states of the layers they ran.
+        start = getattr(getattr(model, "model", None), "start_layer", 0)
+        self.num_aux_from_earlier_stages = len({i for i in aux_hidden_layers if i < start})
+        # Cumulative timings (the pipeline benchmark's stage idle fraction).
+        self.num_steps = 0
+        self.step_s = 0.0
+        self.recv_wait_s = 0.0
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.freed_req_ids:
@@ -91,17 +105,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        try:
+            return self._execute(so)
+        finally:
+            self.num_steps += 1
+            self.step_s += time.perf_counter() - start
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         if not so.scheduled:
             return ModelRunnerOutput(so.step_id, [], [])
         block_tables = {s.req_id: self.requests[s.req_id].block_ids for s in so.scheduled}
         inputs = prepare_inputs(so.scheduled, block_tables, self.kv_cache.block_size, self.device)
         inputs.meta.kv_cache = self.kv_cache
+        intermediate = None
+        if not self.state.is_first_stage:
+            wait_start = time.perf_counter()
+            intermediate = StageActivations.recv_from_previous_stage(
+                self.state,
+                num_tokens=int(inputs.input_ids.shape[0]),
+                hidden_size=int(self.model.config.hidden_size),
+                num_aux=self.num_aux_from_earlier_stages,
+                dtype=self.kv_cache.dtype,
+            )
+            self.recv_wait_s += time.perf_counter() - wait_start
+        out = self.model(inputs.input_ids, inputs.meta, self.aux_hidden_layers, intermediate)
+        if not self.state.is_last_stage:
+            out.send_to_next_stage(self.state)
+            return ModelRunnerOutput(so.step_id, [], [])
         if self.aux_hidden_layers:
-            hidden, aux = self.model(inputs.input_ids, inputs.meta, self.aux_hidden_layers)
+            hidden, aux = out
             features = torch.cat(aux, dim=-1)  # [num_tokens, 3 * hidden] for EAGLE-3
         else:
-            hidden = features = self.model(inputs.input_ids, inputs.meta)  # [num_tokens, hidden]
+            hidden = features = out  # [num_tokens, hidden]
         sampled_ids, logprobs = self._sample(hidden, inputs)
         per_request = dict(zip((s.req_id for s in inputs.sampled), sampled_ids, strict=True))
         for req_id, tokens in per_request.items():

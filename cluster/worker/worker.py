@@ -7,11 +7,14 @@ scheduler outputs travel.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from cluster.config import EngineConfig, ModelConfig
 from cluster.engine.messages import SchedulerOutput
+from cluster.models.eagle3 import eagle3_aux_layers
 from cluster.models.loader import load_draft_head, load_model
 from cluster.parallel import ParallelState, destroy_parallel_state, init_parallel_state
 from cluster.spec_decode.draft_model import DraftModelProposer
@@ -47,19 +50,29 @@ class Worker:
             init_method or "",
             parallel.distributed_backend,
             device,
+            pp_layer_partition=parallel.pipeline_layer_partition,
         )
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.state)
         self.draft_head: nn.Module | None = None  # EAGLE / EAGLE-3 / MTP: KV in the target's cache
         self.draft_lm: nn.Module | None = None  # a separate draft LM: KV in its own cache
         spec = config.speculative
-        if spec is not None and spec.resolved_method in ("eagle", "eagle3", "mtp"):
+        # The draft, the sampler and the rejection sampler live on the last pipeline stage.
+        method = spec.resolved_method if spec is not None and self.state.is_last_stage else None
+        if method in ("eagle", "eagle3", "mtp"):
             self.draft_head = load_draft_head(spec, config.model, self.model, self.state)
-        elif spec is not None and spec.resolved_method == "draft_model":
+        elif method == "draft_model":
             draft_config = ModelConfig(
                 path=spec.model, dtype=config.model.dtype, device=config.model.device
             )
-            self.draft_lm = load_model(draft_config, self.state, show_progress=False)
+            # The draft LM is whole on the last stage (sharded only by TP).
+            whole = dataclasses.replace(self.state, pp_rank=0, pp_size=1, pp_layer_partition=None)
+            self.draft_lm = load_model(draft_config, whole, show_progress=False)
+        # EAGLE-3 reads target layers that may live on earlier stages: every stage collects
+        # the ones it runs.
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        if spec is not None and spec.resolved_method == "eagle3":
+            self.aux_hidden_layers = eagle3_aux_layers(int(config.model.hf_config.num_hidden_layers))
         self.runner: ModelRunner | None = None
 
     @property
@@ -93,26 +106,41 @@ class Worker:
         block_size, dtype = self.config.cache.block_size, self.config.model.torch_dtype
         shapes, draft_lm_shapes = self._layer_shapes()
         device = self.state.device
-        kv_cache = PagedKVCache(shapes, num_blocks, block_size, dtype, device)
+        kv_cache = PagedKVCache(
+            shapes, num_blocks, block_size, dtype, device, first_layer_idx=self.model.model.start_layer
+        )
         spec = self.config.speculative
-        proposer, aux_layers = None, ()
-        if spec is not None:
+        proposer = None
+        if spec is not None and self.state.is_last_stage:
             k, sample = spec.num_speculative_tokens, spec.draft_sampling == "sample"
             if self.draft_head is not None:
                 proposer = EagleProposer(self.draft_head, kv_cache, block_size, k, sample)
-                aux_layers = tuple(getattr(self.draft_head, "aux_layers", ()))
             elif self.draft_lm is not None:
                 draft_kv = PagedKVCache(draft_lm_shapes, num_blocks, block_size, dtype, device)
                 proposer = DraftModelProposer(self.draft_lm, draft_kv, block_size, k, sample)
             else:
                 proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        self.runner = ModelRunner(self.model, kv_cache, device, proposer, aux_layers)
+        self.runner = ModelRunner(
+            self.model, kv_cache, device, proposer, self.aux_hidden_layers, state=self.state
+        )
 
     def execute_model(self, payload: bytes) -> bytes | None:
         if self.runner is None:
             raise RuntimeError("initialize_kv_cache must be called before execute_model")
         output = self.runner.execute_model(SchedulerOutput.decode(payload))
         return output.encode() if self.reports else None
+
+    def stage_timings(self) -> dict[str, float]:
+        """This rank's cumulative step time, split into waiting for the previous stage's
+        activations and everything else (for the pipeline benchmark's idle fraction)."""
+        runner = self.runner
+        return {
+            "pp_rank": self.state.pp_rank,
+            "tp_rank": self.state.tp_rank,
+            "steps": runner.num_steps if runner else 0,
+            "step_s": runner.step_s if runner else 0.0,
+            "recv_wait_s": runner.recv_wait_s if runner else 0.0,
+        }
 
     def shutdown(self) -> None:
         destroy_parallel_state(self.state)
