@@ -144,9 +144,7 @@ class LlamaModel(nn.Module):
             for i in range(num_layers)
         )
         self.norm = (
-            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-            if state.is_last_stage
-            else None
+            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if state.is_last_stage else None
         )
 
     def forward(
@@ -199,9 +197,9 @@ class LlamaForCausalLM(nn.Module):
         if state.is_last_stage:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, state, dtype=dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings and self.lm_head is not None:
-            if self.model.embed_tokens is not None:
-                self.lm_head.tie_to(self.model.embed_tokens)
+        embed = self.model.embed_tokens
+        if self.tie_word_embeddings and self.lm_head is not None and embed is not None:
+            self.lm_head.tie_to(embed)
 
     def forward(
         self,

@@ -72,7 +72,9 @@ class Worker:
         # the ones it runs.
         self.aux_hidden_layers: tuple[int, ...] = ()
         if spec is not None and spec.resolved_method == "eagle3":
-            self.aux_hidden_layers = eagle3_aux_layers(int(config.model.hf_config.num_hidden_layers))
+            self.aux_hidden_layers = eagle3_aux_layers(
+                int(config.model.hf_config.num_hidden_layers)
+            )
         self.runner: ModelRunner | None = None
 
     @property
@@ -107,7 +109,12 @@ class Worker:
         shapes, draft_lm_shapes = self._layer_shapes()
         device = self.state.device
         kv_cache = PagedKVCache(
-            shapes, num_blocks, block_size, dtype, device, first_layer_idx=self.model.model.start_layer
+            shapes,
+            num_blocks,
+            block_size,
+            dtype,
+            device,
+            first_layer_idx=self.model.model.start_layer,
         )
         spec = self.config.speculative
         proposer = None
