@@ -173,3 +173,44 @@ def test_duplicate_request_id_is_refused():
     s.add_request(request("a", 2))
     with pytest.raises(ValueError, match="already in the engine"):
         s.add_request(request("a", 2))
+
+
+def test_pipeline_micro_batches_split_requests_and_skip_those_in_flight():
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    s = Scheduler(config, KVBlockManager(100, 4), 64, max_concurrent_batches=2)
+    for i in range(5):
+        s.add_request(request(f"r{i}", 3))
+    first = s.schedule()
+    second = s.schedule()  # while `first` is in flight
+    assert [x.req_id for x in first.scheduled] == ["r0", "r1", "r2"]  # ceil(5 / 2)
+    assert [x.req_id for x in second.scheduled] == ["r3", "r4"]
+    assert not s.schedule().scheduled  # everyone is in flight
+    s.update_from_output(first, respond(first))
+    third = s.schedule()
+    assert [x.req_id for x in third.scheduled] == ["r0", "r1", "r2"]
+    assert all(len(x.token_ids) == 1 for x in third.scheduled)  # their decode tokens
+
+
+def test_requests_in_flight_are_never_preempted():
+    # 6 blocks of 4: two requests of 8 prompt tokens take 2 blocks each (+1 on decode)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    s = Scheduler(config, KVBlockManager(5, 4), 64, max_concurrent_batches=2)
+    s.add_request(request("a", 8))
+    s.add_request(request("b", 8))
+    first = s.schedule()
+    assert [x.req_id for x in first.scheduled] == ["a"]
+    second = s.schedule()
+    assert [x.req_id for x in second.scheduled] == ["b"]
+    s.update_from_output(first, respond(first))
+    # "a" decodes into the last free block, then needs one more: "b" (in flight) cannot
+    # give its blocks, so "a" itself yields
+    a = s.requests["a"]
+    for _ in range(10):
+        so = s.schedule()
+        assert [x.req_id for x in so.scheduled] in (["a"], [])
+        if not so.scheduled:
+            break
+        s.update_from_output(so, respond(so))
+    assert a.num_preemptions == 1 and s.requests["b"].num_preemptions == 0
+    s.update_from_output(second, respond(second))
+    assert len(s.requests["b"].output_token_ids) == 1
