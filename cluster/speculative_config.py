@@ -89,6 +89,9 @@ class SpeculativeConfig(BaseModel):
     # and hand it to the rejection sampler (better acceptance at high temperature);
     # "greedy": drafts are the draft's argmax, verified as delta distributions (vLLM's way).
     draft_sampling: Literal["greedy", "sample"] = "greedy"
+    # Adapt the number of drafts per step (0..num_speculative_tokens, 0 = off) to measured
+    # goodput for each batch size (`cluster/engine/spec_controller.py`); lossless either way.
+    adaptive: bool = False
 
     @model_validator(mode="before")
     @classmethod

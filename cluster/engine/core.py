@@ -7,6 +7,7 @@ same object; the offline and async engines host it in-process.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from cluster.config import EngineConfig
@@ -15,6 +16,7 @@ from cluster.engine.executor import Executor, PendingOutput
 from cluster.engine.messages import EngineCoreOutput, SchedulerOutput
 from cluster.engine.request import Request
 from cluster.engine.scheduler import Scheduler
+from cluster.engine.spec_controller import SpecController
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,9 @@ class EngineCore:
             config.scheduler, self.block_manager, max_len, lookahead, self.max_concurrent_batches
         )
         self._in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
+        self.spec_controller: SpecController | None = None
+        if spec is not None and spec.adaptive:
+            self.spec_controller = SpecController(spec.num_speculative_tokens)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -61,6 +66,11 @@ class EngineCore:
             **self.scheduler.spec_stats.as_dict(),
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache_usage": self.block_manager.usage,
+            **(
+                {"adaptive_speculation": self.spec_controller.summary()}
+                if self.spec_controller is not None
+                else {}
+            ),
         }
 
     def has_unfinished_requests(self) -> bool:
@@ -70,11 +80,15 @@ class EngineCore:
         """Schedule a batch and run it. With pipeline stages, submit batches until one per
         stage is in flight (returning nothing meanwhile), then finish the oldest."""
         if self.max_concurrent_batches == 1:
-            scheduler_output = self.scheduler.schedule()
+            start = time.perf_counter()
+            batch_size, num_drafts = self._num_drafts()
+            scheduler_output = self.scheduler.schedule(num_drafts)
             if not scheduler_output.scheduled and not scheduler_output.freed_req_ids:
                 return []
             runner_output = self.executor.execute_model(scheduler_output)
-            return self.scheduler.update_from_output(scheduler_output, runner_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self._observe(scheduler_output, batch_size, outputs, time.perf_counter() - start)
+            return outputs
         submitted = False
         if len(self._in_flight) < self.max_concurrent_batches:
             scheduler_output = self.scheduler.schedule()
@@ -88,6 +102,33 @@ class EngineCore:
             return []
         scheduler_output, pending = self._in_flight.popleft()
         return self.scheduler.update_from_output(scheduler_output, pending())
+
+    def _num_drafts(self) -> tuple[int, int | None]:
+        """(the batch size deciding it, drafts for the coming step); None: not adaptive."""
+        if self.spec_controller is None:
+            return 0, None
+        batch_size = max(1, self.scheduler.num_running)
+        return batch_size, self.spec_controller.num_drafts(batch_size)
+
+    def _observe(
+        self,
+        scheduler_output: SchedulerOutput,
+        batch_size: int,
+        outputs: list[EngineCoreOutput],
+        seconds: float,
+    ) -> None:
+        """Feed the controller steps that only decode and verify (a prefill chunk's cost
+        says nothing about drafting)."""
+        controller, num_drafts = self.spec_controller, scheduler_output.num_drafts
+        if controller is None or num_drafts is None:
+            return
+        if not all(
+            s.sample and len(s.token_ids) == 1 + s.num_spec_tokens
+            for s in scheduler_output.scheduled
+        ):
+            return
+        num_tokens = sum(len(o.new_token_ids) for o in outputs)
+        controller.observe(batch_size, num_drafts, num_tokens, seconds)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

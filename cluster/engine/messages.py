@@ -44,6 +44,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     # Requests finished, aborted or preempted since the last step: workers drop their state.
     freed_req_ids: list[str] = field(default_factory=list)
+    # Drafts to propose after this step (adaptive speculation); None: the configured k.
+    num_drafts: int | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -71,6 +73,7 @@ class SchedulerOutput:
             ],
             scheduled=[ScheduledRequest(**d) for d in data["scheduled"]],
             freed_req_ids=data["freed_req_ids"],
+            num_drafts=data["num_drafts"],
         )
 
 

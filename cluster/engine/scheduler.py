@@ -111,7 +111,9 @@ class Scheduler:
             self._freed.append(request.request_id)
 
     # ---- one step --------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, num_drafts: int | None = None) -> SchedulerOutput:
+        """The next batch. `num_drafts` (adaptive speculation) caps the drafts verified in
+        this step and asks the proposer for that many after it."""
         budget = self.config.max_num_batched_tokens
         max_seqs = self._max_seqs_this_step()
         scheduled: list[ScheduledRequest] = []
@@ -124,6 +126,8 @@ class Scheduler:
             if request.request_id in self._in_flight:
                 index += 1
                 continue
+            if num_drafts is not None and len(request.spec_token_ids) > num_drafts:
+                request.spec_token_ids = request.spec_token_ids[:num_drafts]
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             num_new = min(num_new, self.max_model_len - request.num_computed_tokens)
             if num_new <= 0:
@@ -172,7 +176,7 @@ class Scheduler:
         self._step_id += 1
         freed, self._freed = self._freed, []
         self._in_flight.update(item.req_id for item in scheduled)
-        return SchedulerOutput(self._step_id, new_requests, scheduled, freed)
+        return SchedulerOutput(self._step_id, new_requests, scheduled, freed, num_drafts)
 
     def _max_seqs_this_step(self) -> int:
         """With several batches in flight, split the requests evenly between them so no

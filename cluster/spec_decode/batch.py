@@ -33,6 +33,9 @@ class ProposalBatch:
     block_tables: torch.Tensor  # [batch, max_blocks]
     num_blocks: list[int]  # [batch] blocks allocated to each request
     target_hidden: torch.Tensor | None  # [num_tokens, hidden] (EAGLE-3: [num_tokens, 3 * hidden])
+    # Drafts wanted per request (adaptive speculation; at most the proposer's k). With 0,
+    # a draft with its own KV still reads this step's tokens, so it can resume later.
+    num_drafts: int | None = None
 
 
 @dataclass

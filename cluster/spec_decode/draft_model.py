@@ -69,8 +69,9 @@ class DraftModelProposer:
         )
         hidden = self.model(tensor(ids), meta)
         result = DraftProposal([[] for _ in batch.sampled], [None] * len(batch.sampled))
+        k = self.k if batch.num_drafts is None else min(self.k, batch.num_drafts)
         drafting = [i for i, s in enumerate(batch.sampled) if s and batch.num_valid[i]]
-        if not drafting:
+        if not drafting or k == 0:
             return result
         last_rows = tensor([starts[i + 1] - 1 for i in drafting])
         params = [batch.params[i] for i in drafting]
@@ -92,7 +93,7 @@ class DraftModelProposer:
             self.block_size,
             self.kv_cache,
             params,
-            self.k,
+            k,
             self.sample,
         )
         for j, i in enumerate(drafting):

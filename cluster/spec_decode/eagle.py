@@ -68,9 +68,10 @@ class EagleProposer:
         hidden = self.draft.combine_target_hidden(batch.target_hidden[index])  # [m, H]
         logits_hidden, next_hidden = self.draft(ids, hidden, meta, 0)
 
+        k = self.k if batch.num_drafts is None else min(self.k, batch.num_drafts)
         drafting = [i for i, s in enumerate(batch.sampled) if s and batch.num_valid[i]]
         empty = DraftProposal([[] for _ in batch.sampled], [None] * len(batch.sampled))
-        if not drafting:
+        if not drafting or k == 0:
             return empty
         last_rows = torch.tensor([starts[i + 1] - 1 for i in drafting], device=ids.device)
         params = [batch.params[i] for i in drafting]
@@ -92,7 +93,7 @@ class EagleProposer:
             self.block_size,
             self.kv_cache,
             params,
-            self.k,
+            k,
             self.sample,
         )
         for j, i in enumerate(drafting):

@@ -37,8 +37,9 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, batch: ProposalBatch) -> DraftProposal:
+        k = self.k if batch.num_drafts is None else min(self.k, batch.num_drafts)
         drafts = [
-            ngram_drafts(history, self.min_n, self.max_n, self.k) if sampled else []
+            ngram_drafts(history, self.min_n, self.max_n, k) if sampled and k else []
             for history, sampled in zip(batch.token_history, batch.sampled, strict=True)
         ]
         return DraftProposal(drafts, [None] * len(drafts))

@@ -21,7 +21,6 @@ from torch import nn
 from cluster.engine.messages import (
     ModelRunnerOutput,
     NewRequestData,
-    ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
 )
@@ -85,6 +84,7 @@ class ModelRunner:
         self.num_steps = 0
         self.step_s = 0.0
         self.recv_wait_s = 0.0
+        self.send_wait_s = 0.0
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.freed_req_ids:
@@ -132,7 +132,9 @@ class ModelRunner:
             self.recv_wait_s += time.perf_counter() - wait_start
         out = self.model(inputs.input_ids, inputs.meta, self.aux_hidden_layers, intermediate)
         if not self.state.is_last_stage:
+            send_start = time.perf_counter()
             out.send_to_next_stage(self.state)
+            self.send_wait_s += time.perf_counter() - send_start
             return ModelRunnerOutput(so.step_id, [], [])
         if self.aux_hidden_layers:
             hidden, aux = out
@@ -143,7 +145,7 @@ class ModelRunner:
         per_request = dict(zip((s.req_id for s in inputs.sampled), sampled_ids, strict=True))
         for req_id, tokens in per_request.items():
             self.requests[req_id].output_token_ids.extend(tokens)
-        drafts = self._propose(so.scheduled, inputs, per_request, features)
+        drafts = self._propose(so, inputs, per_request, features)
         return ModelRunnerOutput(
             step_id=so.step_id,
             req_ids=[s.req_id for s in so.scheduled],
@@ -205,13 +207,14 @@ class ModelRunner:
 
     def _propose(
         self,
-        scheduled: list[ScheduledRequest],
+        so: SchedulerOutput,
         inputs: ModelInputs,
         sampled: dict[str, list[int]],
         features: torch.Tensor,
     ) -> list[list[int]]:
         if self.proposer is None:
             return []
+        scheduled = so.scheduled
         num_valid, next_ids = [], []
         for item in scheduled:
             state = self.requests[item.req_id]
@@ -243,6 +246,7 @@ class ModelRunner:
             block_tables=meta.block_tables,
             num_blocks=[len(st.block_ids) for st in states],
             target_hidden=features,
+            num_drafts=so.num_drafts,
         )
         proposal = self.proposer.propose(batch)
         for st, probs in zip(states, proposal.probs, strict=True):

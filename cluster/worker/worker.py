@@ -138,8 +138,8 @@ class Worker:
         return output.encode() if self.reports else None
 
     def stage_timings(self) -> dict[str, float]:
-        """This rank's cumulative step time, split into waiting for the previous stage's
-        activations and everything else (for the pipeline benchmark's idle fraction)."""
+        """This rank's cumulative step time, and the parts of it spent receiving from the
+        previous stage and sending to the next (the pipeline benchmark's idle fraction)."""
         runner = self.runner
         return {
             "pp_rank": self.state.pp_rank,
@@ -147,6 +147,7 @@ class Worker:
             "steps": runner.num_steps if runner else 0,
             "step_s": runner.step_s if runner else 0.0,
             "recv_wait_s": runner.recv_wait_s if runner else 0.0,
+            "send_wait_s": runner.send_wait_s if runner else 0.0,
         }
 
     def shutdown(self) -> None:
