@@ -88,7 +88,10 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     demo.set_defaults(func=_demo)
 
-    sub.add_parser("train-draft", help="train an EAGLE-3 head for a target (--help for options)")
+    sub.add_parser(
+        "train-draft",
+        help="train an EAGLE-3, EAGLE-1 or MTP head for a target (--help for options)",
+    )
 
     serve = sub.add_parser(
         "serve", help="deploy a manifest on Ray Serve (starting or joining Ray) until Ctrl-C"

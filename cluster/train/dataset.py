@@ -3,8 +3,9 @@
 1. `generate_answers`: the target answers every prompt with our engine (greedy, the way
    the head will be evaluated), so the head learns the target's own continuations.
 2. `cache_features`: one target forward per batch of whole sequences records, at every
-   position, the residual streams entering the EAGLE-3 layers (exactly what the engine
-   hands the head at inference). Shards of float16 tensors are written to `out_dir`;
+   position, what the engine hands the head at inference: the residual streams entering
+   the EAGLE-3 layers, or (no `aux_layers`: EAGLE-1, MTP) the final hidden state after
+   the target's final norm. Shards of float16 tensors are written to `out_dir`;
    existing shards are reused, so an interrupted run resumes.
 """
 
@@ -76,7 +77,8 @@ def cache_features(
     max_batch_tokens: int = 2048,
 ) -> list[str]:
     """Write shards `{"token_ids", "answer_start", "features"}` (features: list of
-    [len, len(aux_layers) * hidden] float16); returns the shard paths."""
+    [len, len(aux_layers) * hidden] float16, or [len, hidden] final hidden states when
+    `aux_layers` is empty); returns the shard paths."""
     os.makedirs(out_dir, exist_ok=True)
     model = load_model(
         ModelConfig(path=target_path, dtype="float32"), ParallelState.single(), show_progress=False
@@ -123,8 +125,12 @@ def _groups(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
 def _aux_states(
     model: torch.nn.Module, group: list[Sample], aux_layers: tuple[int, ...]
 ) -> list[torch.Tensor]:
-    """Per sample, [len, len(aux_layers) * hidden] float16 from one flattened forward."""
+    """Per sample, [len, len(aux_layers) * hidden] (no `aux_layers`: the final hidden
+    state [len, hidden]) float16 from one flattened forward."""
     lens = [len(s.token_ids) for s in group]
     ids = torch.tensor([t for s in group for t in s.token_ids])
-    _, aux = model(ids, AttentionMetadata.for_prefill(lens), aux_layers)
+    meta = AttentionMetadata.for_prefill(lens)
+    if not aux_layers:
+        return list(model(ids, meta).half().split(lens))
+    _, aux = model(ids, meta, aux_layers)
     return list(torch.cat(aux, dim=-1).half().split(lens))

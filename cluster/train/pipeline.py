@@ -1,7 +1,8 @@
 """`cluster train-draft`: prompts -> the target's answers -> cached features -> a trained head.
 
 Every stage caches its result under `--work-dir`, so a rerun resumes where it stopped.
-Only EAGLE-3 heads are trained so far.
+`--method` picks the head: EAGLE-3 (default; features: three aux residual streams),
+EAGLE-1 or DeepSeek-style MTP (features: the target's final hidden states).
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import torch
 
 from cluster.models.eagle3 import eagle3_aux_layers
 from cluster.train.dataset import cache_features, generate_answers
+from cluster.train.eagle_mtp_trainer import train_chain_head
 from cluster.train.prompts import build_prompts
 from cluster.train.trainer import TrainConfig, train_eagle3
+
+METHODS = ("eagle3", "eagle", "mtp")
 
 
 def train_draft(
@@ -26,6 +30,7 @@ def train_draft(
     max_tokens: int,
     num_prompts: int | None,
     config: TrainConfig,
+    method: str = "eagle3",
 ) -> dict:
     from safetensors import safe_open
 
@@ -33,10 +38,15 @@ def train_draft(
 
     model_config = ModelConfig(path=target, dtype="float32")
     hf = model_config.hf_config
-    aux = eagle3_aux_layers(int(hf.num_hidden_layers))
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r} (one of {METHODS})")
+    # EAGLE-3 reads three aux residual streams; EAGLE-1 and MTP the final hidden state
+    aux = eagle3_aux_layers(int(hf.num_hidden_layers)) if method == "eagle3" else ()
+    features = "features" if method == "eagle3" else "final_hidden"
     train_prompts, eval_prompts = build_prompts(seed=config.seed)
     if num_prompts is not None:
         train_prompts = train_prompts[:num_prompts]
+    os.makedirs(work_dir, exist_ok=True)
     started = time.time()
     splits = {}
     for name, prompts in (("train", train_prompts), ("eval", eval_prompts)):
@@ -44,25 +54,23 @@ def train_draft(
             target, prompts, max_tokens, os.path.join(work_dir, f"answers_{name}.jsonl")
         )
         splits[name] = cache_features(
-            target, samples, aux, os.path.join(work_dir, f"features_{name}")
+            target, samples, aux, os.path.join(work_dir, f"{features}_{name}")
         )
     data_seconds = time.time() - started
     with safe_open(os.path.join(target, "model.safetensors"), framework="pt") as f:
         embed = f.get_tensor("model.embed_tokens.weight").float()
         head = f.get_tensor("lm_head.weight").float() if "lm_head.weight" in f.keys() else embed  # noqa: SIM118
+        final_norm = f.get_tensor("model.norm.weight").float()
     started = time.time()
-    result = train_eagle3(
-        hf,
-        embed,
-        head,
-        os.path.join(work_dir, "features_train"),
-        os.path.join(work_dir, "features_eval"),
-        out_dir,
-        config,
-        checkpoint_dir=work_dir,
-    )
+    dirs = [os.path.join(work_dir, f"{features}_{name}") for name in ("train", "eval")]
+    if method == "eagle3":
+        result = train_eagle3(hf, embed, head, *dirs, out_dir, config, checkpoint_dir=work_dir)
+    else:
+        result = train_chain_head(
+            method, hf, embed, head, final_norm, *dirs, out_dir, config, checkpoint_dir=work_dir
+        )
     recipe = {
-        "method": "eagle3",
+        "method": method,
         "target": os.path.basename(os.path.normpath(target)),
         "train_prompts": len(train_prompts),
         "eval_prompts": len(eval_prompts),
@@ -79,7 +87,12 @@ def train_draft(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="cluster train-draft", description=__doc__)
-    parser.add_argument("--method", default="eagle3", choices=["eagle3"])
+    parser.add_argument(
+        "--method",
+        default="eagle3",
+        choices=METHODS,
+        help="eagle3 (default), eagle (EAGLE-1) or mtp (DeepSeek-style MTP, one module)",
+    )
     parser.add_argument("--target", default=None, help="HF folder (default: the embedded SmolLM2)")
     parser.add_argument("--out", required=True, help="where the head is written")
     parser.add_argument("--work-dir", default=None, help="cache for answers and features")
@@ -89,7 +102,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--epochs", type=int, default=TrainConfig.epochs)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
-    parser.add_argument("--draft-vocab-size", type=int, default=TrainConfig.draft_vocab_size)
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=TrainConfig.draft_vocab_size,
+        help="EAGLE-3 only",
+    )
+    parser.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=TrainConfig.batch_tokens,
+        help="padded tokens per batch",
+    )
     parser.add_argument("--ttt-steps", type=int, default=TrainConfig.ttt_steps)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
@@ -106,11 +130,20 @@ def main(argv: list[str] | None = None) -> None:
         ttt_steps=args.ttt_steps,
         epochs=args.epochs,
         lr=args.lr,
+        batch_tokens=args.batch_tokens,
         seed=args.seed,
     )
     print(
         json.dumps(
-            train_draft(args.target, args.out, work_dir, args.max_tokens, args.num_prompts, config),
+            train_draft(
+                args.target,
+                args.out,
+                work_dir,
+                args.max_tokens,
+                args.num_prompts,
+                config,
+                args.method,
+            ),
             indent=2,
         )
     )

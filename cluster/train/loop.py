@@ -1,0 +1,201 @@
+"""What every draft-head trainer shares: cached sequences, batches, and the training loop.
+
+`fit` runs epochs of AdamW (cosine schedule with warm-up, gradient clipping at 1) over
+length-sorted, shuffled batches, shows the loss and each TTT step's accuracy in a progress
+bar, measures held-out accuracy after every epoch, and checkpoints after every epoch
+(resuming from the last one). The head-specific part is a `StepFn`: a batch -> (loss,
+correct top-1 predictions per step, counted predictions per step). Deterministic given
+the seed (the caller seeds torch before building the model).
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    draft_vocab_size: int = 4096  # EAGLE-3 only
+    ttt_steps: int = 3
+    epochs: int = 2
+    lr: float = 1e-3
+    batch_tokens: int = 4096
+    seed: int = 0
+    step_weight: float = 0.8
+    regression_weight: float = 1.0  # EAGLE-1: smooth-L1 feature regression
+    token_weight: float = 0.1  # EAGLE-1: token cross-entropy
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [B, T] int64, zero-padded
+    features: torch.Tensor  # [B, T, F] float32
+    valid: torch.Tensor  # [B, T] bool: real tokens
+    labels: list[torch.Tensor]  # per TTT step [B, T]: the token row p predicts, or -100
+
+
+# batch -> (loss, correct top-1 predictions per step, counted predictions per step)
+StepFn = Callable[[Batch], tuple[torch.Tensor, list[int], list[int]]]
+
+
+def load_shards(feature_dir: str) -> list[dict[str, Any]]:
+    sequences = []
+    for path in sorted(glob.glob(os.path.join(feature_dir, "shard_*.pt"))):
+        shard = torch.load(path)
+        for ids, start, feats in zip(
+            shard["token_ids"], shard["answer_start"], shard["features"], strict=True
+        ):
+            sequences.append({"token_ids": ids, "answer_start": start, "features": feats})
+    return sequences
+
+
+def make_batches(
+    sequences: list[dict[str, Any]], batch_tokens: int, rng: random.Random
+) -> list[list[int]]:
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]["token_ids"]))
+    batches, current, longest = [], [], 0
+    for i in order:
+        n = len(sequences[i]["token_ids"])
+        if current and max(longest, n) * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(
+    sequences: list[dict[str, Any]], index: list[int], label_map: torch.Tensor | None, steps: int
+) -> Batch:
+    """Padded batch; row p of step j is labelled with token p + 2 + j when that is an answer
+    token after the first, mapped through `label_map` (target id -> class, -100: none)."""
+    rows = [sequences[i] for i in index]
+    length = max(len(r["token_ids"]) for r in rows)
+    width = rows[0]["features"].shape[-1]
+    ids = torch.zeros(len(rows), length, dtype=torch.int64)
+    feats = torch.zeros(len(rows), length, width)
+    valid = torch.zeros(len(rows), length, dtype=torch.bool)
+    labels = [torch.full((len(rows), length), -100, dtype=torch.int64) for _ in range(steps)]
+    for b, r in enumerate(rows):
+        n = len(r["token_ids"])
+        ids[b, :n] = torch.tensor(r["token_ids"])
+        feats[b, :n] = r["features"].float()
+        valid[b, :n] = True
+        for step in range(steps):
+            first = max(0, r["answer_start"] + 1 - 2 - step)
+            last = n - 2 - step
+            if last > first:
+                tokens = ids[b, first + 2 + step : last + 2 + step]
+                labels[step][b, first:last] = tokens if label_map is None else label_map[tokens]
+    return Batch(ids, feats, valid, labels)
+
+
+def top1_hits(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
+    """(correct, counted) top-1 predictions where `labels` != -100."""
+    mask = labels != -100
+    return int((logits.argmax(-1)[mask] == labels[mask]).sum()), int(mask.sum())
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    step_fn: StepFn,
+    sequences: list[dict[str, Any]],
+    label_map: torch.Tensor | None,
+    config: TrainConfig,
+) -> list[float]:
+    """Held-out top-1 accuracy of each TTT step (each step's acceptance, given the earlier ones)."""
+    model.eval()
+    hits = [0] * config.ttt_steps
+    totals = [0] * config.ttt_steps
+    for index in make_batches(sequences, config.batch_tokens, random.Random(0)):
+        _, h, t = step_fn(collate(sequences, index, label_map, config.ttt_steps))
+        hits = [a + b for a, b in zip(hits, h, strict=True)]
+        totals = [a + b for a, b in zip(totals, t, strict=True)]
+    model.train()
+    return [h / max(1, t) for h, t in zip(hits, totals, strict=True)]
+
+
+def fit(
+    model: nn.Module,
+    step_fn: StepFn,
+    train: list[dict[str, Any]],
+    evals: list[dict[str, Any]],
+    label_map: torch.Tensor | None,
+    config: TrainConfig,
+    checkpoint: str,
+) -> list[dict[str, Any]]:
+    """Train `model` for the epochs not yet in `checkpoint`; the history of those epochs."""
+    rng = random.Random(config.seed)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0
+    )
+    batches_per_epoch = len(make_batches(train, config.batch_tokens, random.Random(0)))
+    total_steps = batches_per_epoch * config.epochs
+    warmup = max(1, min(50, total_steps // 10))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: (
+            min(1.0, (s + 1) / warmup)
+            * 0.5
+            * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))
+        ),
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(checkpoint)), exist_ok=True)
+    start_epoch = 0
+    if os.path.isfile(checkpoint):
+        state = torch.load(checkpoint)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        start_epoch = state["epoch"] + 1
+        rng.setstate(state["rng"])
+    history = []
+    for epoch in range(start_epoch, config.epochs):
+        bar = tqdm(
+            make_batches(train, config.batch_tokens, rng), desc=f"epoch {epoch + 1}/{config.epochs}"
+        )
+        losses = []
+        for index in bar:
+            loss, hits, totals = step_fn(collate(train, index, label_map, config.ttt_steps))
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            losses.append(loss.item())
+            accuracy = "/".join(f"{h / max(1, t):.2f}" for h, t in zip(hits, totals, strict=True))
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc=accuracy)
+        held_out = evaluate(model, step_fn, evals, label_map, config) if evals else []
+        history.append(
+            {
+                "epoch": epoch + 1,
+                "train_loss": sum(losses) / len(losses),
+                "held_out_accuracy": held_out,
+            }
+        )
+        print(f"epoch {epoch + 1}: held-out accuracy per step {[round(a, 3) for a in held_out]}")
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "schedule": schedule.state_dict(),
+                "epoch": epoch,
+                "rng": rng.getstate(),
+            },
+            checkpoint,
+        )
+    return history
