@@ -25,13 +25,20 @@ warnings.filterwarnings("ignore")
 TOPICS = ["the ocean", "volcanoes", "bread", "prime numbers", "the moon", "bicycles", "jazz"]
 
 
-def run(model: str | None, pp: int, num_requests: int, new_tokens: int) -> dict:
+def run(
+    model: str | None,
+    pp: int,
+    num_requests: int,
+    new_tokens: int,
+    partition: tuple[int, ...] | None = None,
+) -> dict:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     messages = [
         [{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]} (#{i})."}]
         for i in range(num_requests)
     ]
-    with LLM(model, dtype="float32", max_model_len=512, pipeline_parallel_size=pp) as llm:
+    engine = dict(dtype="float32", max_model_len=512, pipeline_layer_partition=partition)
+    with LLM(model, pipeline_parallel_size=pp, **engine) as llm:
         llm.chat(messages[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         executor = llm.engine.core.executor
         before = executor.stage_timings()
@@ -46,7 +53,7 @@ def run(model: str | None, pp: int, num_requests: int, new_tokens: int) -> dict:
         idle.append(max(0.0, 1 - busy / wall))
     tokens = [o.outputs[0].token_ids for o in outs]
     return {
-        "pp": pp,
+        "layout": f"PP={pp}" + (f" split {'/'.join(map(str, partition))}" if partition else ""),
         "tok_s": sum(len(t) for t in tokens) / wall,
         "idle": idle,
         "steps": after[0]["steps"] - before[0]["steps"],
@@ -60,8 +67,18 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--pp", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument(
+        "--partitions",
+        nargs="*",
+        default=["19,11", "12,10,8"],
+        help="explicit layer splits to add (the last stage also runs the LM head)",
+    )
     args = parser.parse_args()
-    results = [run(args.model, pp, args.num_requests, args.new_tokens) for pp in args.pp]
+    layouts = [(pp, None) for pp in args.pp]
+    layouts += [(len(p.split(",")), tuple(int(n) for n in p.split(","))) for p in args.partitions]
+    results = [
+        run(args.model, pp, args.num_requests, args.new_tokens, part) for pp, part in layouts
+    ]
     base = results[0]
     print(f"\n{args.num_requests} concurrent requests x {args.new_tokens} tokens, float32\n")
     print("| layout | tok/s | vs PP=1 | steps per stage | idle fraction per stage | same tokens |")
@@ -70,7 +87,7 @@ def main() -> None:
         idle = " / ".join(f"{x:.2f}" for x in r["idle"])
         same = "yes" if r["tokens"] == base["tokens"] else "NO"
         print(
-            f"| PP={r['pp']} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x "
+            f"| {r['layout']} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x "
             f"| {r['steps']} | {idle} | {same} |"
         )
 
