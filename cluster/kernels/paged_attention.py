@@ -16,6 +16,8 @@ functions, and `backend` picks one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -43,6 +45,40 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
     return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
 
 
+@dataclass
+class AttentionPlan:
+    """What `paged_attention_ref` derives from the step's metadata alone, computed once per
+    step and shared by every layer (the layers differ only in their caches)."""
+
+    multi: list[int]  # sequences with several new tokens (prefill chunks, verification)
+    rows: torch.Tensor | None  # [n] the query row of each single-token (decode) sequence
+    tables: torch.Tensor | None  # [n, max_blocks] their block tables
+    invalid: torch.Tensor | None  # [n, max_len, 1, 1] slots past each context
+    mask: torch.Tensor | None  # [n, 1, 1, max_len] keys each query may see
+
+
+def plan_paged_attention(
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    query_start_loc: list[int],
+    block_size: int,
+) -> AttentionPlan:
+    device = block_tables.device
+    num_seqs = len(seq_lens)
+    query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(num_seqs)]
+    single = [i for i in range(num_seqs) if query_lens[i] == 1]
+    multi = [i for i in range(num_seqs) if query_lens[i] > 1]
+    if not single:
+        return AttentionPlan(multi, None, None, None, None)
+    rows = torch.tensor([query_start_loc[i] for i in single], device=device)
+    lens = torch.tensor([seq_lens[i] for i in single], device=device)
+    max_blocks = -(-max(seq_lens[i] for i in single) // block_size)
+    tables = block_tables[single, :max_blocks]
+    positions = torch.arange(max_blocks * block_size, device=device)
+    valid = positions[None, :] < lens[:, None]  # [n, max_len]
+    return AttentionPlan(multi, rows, tables, ~valid[:, :, None, None], valid[:, None, None, :])
+
+
 def paged_attention_ref(
     q: torch.Tensor,  # [num_tokens, heads, head_dim]
     k_cache: torch.Tensor,
@@ -51,40 +87,34 @@ def paged_attention_ref(
     seq_lens: list[int],
     query_start_loc: list[int],
     scale: float,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Returns [num_tokens, heads, head_dim].
 
     Sequences whose new tokens are all decode tokens (one query each) are batched into one
     padded SDPA call; the others (prefill chunks, verification of draft tokens) go one by one.
+    `plan` (from `plan_paged_attention`) saves recomputing the index tensors per layer.
     """
+    if plan is None:
+        plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     out = torch.empty_like(q)
-    num_seqs = len(seq_lens)
-    single = [i for i in range(num_seqs) if query_start_loc[i + 1] - query_start_loc[i] == 1]
-    multi = [i for i in range(num_seqs) if query_start_loc[i + 1] - query_start_loc[i] > 1]
-    if single:
-        rows = torch.tensor([query_start_loc[i] for i in single], device=q.device)
-        lens = torch.tensor([seq_lens[i] for i in single], device=q.device)
-        max_blocks = -(-int(lens.max()) // k_cache.shape[1])
-        tables = block_tables[single, :max_blocks]  # [n, max_blocks]
+    if plan.rows is not None:
         # [n, max_blocks * block_size, kv_heads, head_dim]: every context, padded
-        keys = k_cache[tables].flatten(1, 2)
-        values = v_cache[tables].flatten(1, 2)
-        positions = torch.arange(keys.shape[1], device=q.device)
-        valid = positions[None, :] < lens[:, None]  # [n, max_len]
+        keys = k_cache[plan.tables].flatten(1, 2)
+        values = v_cache[plan.tables].flatten(1, 2)
         # Slots past a context may hold anything (even NaN): zero them, then mask them out.
-        keys = keys.masked_fill(~valid[:, :, None, None], 0)
-        values = values.masked_fill(~valid[:, :, None, None], 0)
-        mask = valid[:, None, None, :]  # [n, 1, 1, max_len]
+        keys = keys.masked_fill(plan.invalid, 0)
+        values = values.masked_fill(plan.invalid, 0)
         o = F.scaled_dot_product_attention(
-            q[rows][:, :, None],  # [n, heads, 1, head_dim]
+            q[plan.rows][:, :, None],  # [n, heads, 1, head_dim]
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=mask,
+            attn_mask=plan.mask,
             scale=scale,
             enable_gqa=True,
         )
-        out[rows] = o[:, :, 0]
-    for i in multi:
+        out[plan.rows] = o[:, :, 0]
+    for i in plan.multi:
         start, end = query_start_loc[i], query_start_loc[i + 1]
         seq_k = _gather_context(k_cache, block_tables[i], seq_lens[i])
         seq_v = _gather_context(v_cache, block_tables[i], seq_lens[i])
@@ -109,7 +139,7 @@ def causal_attention(
     return o[0].transpose(0, 1)
 
 
-def _use_triton(backend: str, x: torch.Tensor) -> bool:
+def use_triton(backend: str, x: torch.Tensor) -> bool:
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     return backend == "triton" or (backend == "auto" and x.is_cuda)
@@ -124,7 +154,7 @@ def write_kv(
     backend: str = "auto",
 ) -> None:
     """Store this step's keys and values in their slots ("auto": Triton on CUDA)."""
-    if _use_triton(backend, k):
+    if use_triton(backend, k):
         from cluster.kernels.paged_attention_triton import write_kv_triton
 
         write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
@@ -141,9 +171,11 @@ def paged_attention(
     query_start_loc: list[int],
     scale: float,
     backend: str = "auto",
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """[num_tokens, heads, head_dim] attention over the paged cache ("auto": Triton on CUDA)."""
-    if _use_triton(backend, q):
+    """[num_tokens, heads, head_dim] attention over the paged cache ("auto": Triton on CUDA).
+    `plan`: the torch path's per-step index tensors, shared across layers."""
+    if use_triton(backend, q):
         from cluster.kernels.paged_attention_triton import paged_attention_triton
 
         device = q.device
@@ -158,4 +190,6 @@ def paged_attention(
             scale,
             max(query_lens, default=0),
         )
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    return paged_attention_ref(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan
+    )

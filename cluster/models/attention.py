@@ -12,8 +12,8 @@ blocks. Without a cache, every sequence is computed from scratch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -41,6 +41,15 @@ class AttentionMetadata:
     cache_slots: list[int] | None = None  # [num_seqs] row of each sequence (contiguous cache)
     slot_mapping: torch.Tensor | None = None  # [num_tokens] cache slot of each token (paged)
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] (paged)
+    # Values derived from the fields above, computed once per step (see `cached`).
+    derived: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def cached(self, name: str, make: Callable[[], Any]) -> Any:
+        """`make()` the first time `name` is asked for, then the same value: every layer of
+        a step shares what only depends on the step (the fields must not change after)."""
+        if name not in self.derived:
+            self.derived[name] = make()
+        return self.derived[name]
 
     @staticmethod
     def for_prefill(seq_lens: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from cluster.kernels.paged_attention import paged_attention, write_kv
+from cluster.kernels.paged_attention import (
+    paged_attention,
+    plan_paged_attention,
+    use_triton,
+    write_kv,
+)
 from cluster.models.attention import AttentionMetadata
 
 LayerShape = tuple[int, int]  # (num_kv_heads, head_dim) of one attention layer
@@ -55,6 +60,14 @@ class PagedKVCache:
         index = layer_idx - self.first_layer_idx
         k_cache, v_cache = self.k[index], self.v[index]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=self.backend)
+        plan = None
+        if not use_triton(self.backend, q):  # index tensors shared by every layer of the step
+            plan = meta.cached(
+                "attention_plan",
+                lambda: plan_paged_attention(
+                    meta.block_tables, meta.seq_lens, meta.query_start_loc, self.block_size
+                ),
+            )
         return paged_attention(
             q,
             k_cache,
@@ -64,4 +77,5 @@ class PagedKVCache:
             meta.query_start_loc,
             scale,
             backend=self.backend,
+            plan=plan,
         )
