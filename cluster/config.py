@@ -172,6 +172,11 @@ class EngineConfig(_Frozen):
             )
         if self.speculative is not None:
             self.speculative.check_against_target(self.model.path, hf)
+            if self.speculative.adaptive and self.parallel.pipeline_parallel_size > 1:
+                raise ValueError(
+                    "speculative.adaptive needs pipeline_parallel_size=1 (with several batches "
+                    "in flight a step's duration is not its own); set num_speculative_tokens"
+                )
         sched = self.scheduler
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
             raise ValueError(

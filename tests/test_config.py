@@ -10,6 +10,7 @@ from cluster.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    engine_config_from_args,
 )
 
 
@@ -99,3 +100,20 @@ def test_kv_heads_may_be_replicated(tiny_path, tmp_path):
         ValueError, match="must divide the model's num_key_value_heads=4 or be a multiple of it"
     ):
         EngineConfig(model=ModelConfig(path=path), parallel=ParallelConfig(tensor_parallel_size=6))
+
+
+def test_pipeline_layout_and_speculation_checks(tiny_path):
+    with pytest.raises(ValueError, match=r"pipeline_layer_partition=\[2, 2\] must give every"):
+        engine_config_from_args(
+            tiny_path, pipeline_parallel_size=2, pipeline_layer_partition=(2, 2)
+        )
+    config = engine_config_from_args(
+        tiny_path, pipeline_parallel_size=2, pipeline_layer_partition=(2, 1)
+    )
+    assert config.parallel.pipeline_layer_partition == (2, 1)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    engine_config_from_args(tiny_path, pipeline_parallel_size=3, speculative_config=ngram)
+    with pytest.raises(ValueError, match=r"speculative\.adaptive needs pipeline_parallel_size=1"):
+        engine_config_from_args(
+            tiny_path, pipeline_parallel_size=3, speculative_config={**ngram, "adaptive": True}
+        )
