@@ -65,8 +65,11 @@ def test_cluster_serve_deploys_answers_and_stops_on_ctrl_c(tmp_path, smollm2_pat
         with urllib.request.urlopen(request, timeout=60) as r:
             assert json.loads(r.read())["usage"]["completion_tokens"] == 4
         proc.send_signal(signal.SIGINT)  # Ctrl-C
-        assert proc.wait(timeout=90) == 0
-        _wait_for_line(lines, "shutting down", 5, seen)
+        _wait_for_line(lines, "shutting down", 30, seen)
+        try:  # Serve and Ray take a while to stop on a loaded 2-core machine
+            assert proc.wait(timeout=150) == 0
+        except subprocess.TimeoutExpired:
+            raise AssertionError("no exit after Ctrl-C:\n" + "".join(seen[-40:])) from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
