@@ -26,14 +26,19 @@ def test_tries_every_count_from_the_largest_then_keeps_the_best():
 
 
 def test_turns_speculation_off_where_it_does_not_pay_and_buckets_are_independent():
-    c = SpecController(max_drafts=3, window_steps=2, explore_every=8)
+    c = SpecController(max_drafts=3, window_steps=2, explore_every=5)
     drive(c, 16, {0: 100, 1: 90, 2: 80, 3: 70}, 8)
-    drive(c, 1, {0: 10, 1: 15, 2: 20, 3: 28}, 8)
     assert c.num_drafts(16) == 0 and c.num_drafts(12) == 0  # same bucket (9-16)
-    assert c.num_drafts(1) == 3
+    # A new batch size starts from the nearest measured one's choice (no full sweep) ...
+    used = drive(c, 1, {0: 10, 1: 15, 2: 20, 3: 28}, 8)
+    assert used[:6] == [0] * 6
+    # ... and tries its other counts in probe windows, then settles on its own best.
+    used = drive(c, 1, {0: 10, 1: 15, 2: 20, 3: 28}, 60)
+    assert used[-20:].count(3) >= 14
     summary = c.summary()
-    assert summary["9-16"]["num_drafts"] == 0 and summary["1"]["num_drafts"] == 3
+    assert summary["9-16"]["num_drafts"] == 0
     assert summary["9-16"]["goodput_by_num_drafts"] == [100, 90, 80, 70]
+    assert all(g is not None for g in summary["1"]["goodput_by_num_drafts"])
 
 
 def test_follows_a_change_in_goodput():
@@ -42,6 +47,15 @@ def test_follows_a_change_in_goodput():
     assert c.num_drafts(4) == 2
     drive(c, 4, {0: 30, 1: 20, 2: 10}, 30)  # acceptance collapsed: drafting stops paying
     assert c.num_drafts(4) == 0
+
+
+def test_a_marginal_gain_does_not_turn_drafting_on():
+    c = SpecController(max_drafts=3, window_steps=1, explore_every=100, min_gain=0.1)
+    drive(c, 8, {0: 100, 1: 105, 2: 108, 3: 90}, 4)
+    assert c.num_drafts(8) == 0  # 8% better is not enough
+    c = SpecController(max_drafts=3, window_steps=1, explore_every=100, min_gain=0.1)
+    drive(c, 8, {0: 100, 1: 105, 2: 125, 3: 90}, 4)
+    assert c.num_drafts(8) == 2
 
 
 def test_steps_decided_before_a_switch_are_not_credited_to_the_new_count():

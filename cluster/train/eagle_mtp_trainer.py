@@ -40,7 +40,7 @@ def chain_step(
     def step(batch: Batch) -> tuple[torch.Tensor, list[int], list[int]]:
         outputs = model.outputs(batch.ids, batch.features, batch.valid, config.ttt_steps)
         lengths = batch.valid.sum(1)
-        rows = torch.arange(batch.ids.shape[1])
+        rows = torch.arange(batch.ids.shape[1], device=batch.ids.device)
         total = outputs[0].sum() * 0.0  # keeps the graph when a batch has no labels
         hits, totals = [], []
         for j, (out, labels) in enumerate(zip(outputs, batch.labels, strict=True)):

@@ -34,6 +34,13 @@ class TrainConfig:
     step_weight: float = 0.8
     regression_weight: float = 1.0  # EAGLE-1: smooth-L1 feature regression
     token_weight: float = 0.1  # EAGLE-1: token cross-entropy
+    device: str = "auto"  # "auto": CUDA when available, else the CPU
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
 
 
 @dataclass
@@ -42,6 +49,14 @@ class Batch:
     features: torch.Tensor  # [B, T, F] float32
     valid: torch.Tensor  # [B, T] bool: real tokens
     labels: list[torch.Tensor]  # per TTT step [B, T]: the token row p predicts, or -100
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(
+            self.ids.to(device),
+            self.features.to(device),
+            self.valid.to(device),
+            [lab.to(device) for lab in self.labels],
+        )
 
 
 # batch -> (loss, correct top-1 predictions per step, counted predictions per step)
@@ -122,7 +137,8 @@ def evaluate(
     hits = [0] * config.ttt_steps
     totals = [0] * config.ttt_steps
     for index in make_batches(sequences, config.batch_tokens, random.Random(0)):
-        _, h, t = step_fn(collate(sequences, index, label_map, config.ttt_steps))
+        batch = collate(sequences, index, label_map, config.ttt_steps)
+        _, h, t = step_fn(batch.to(config.torch_device))
         hits = [a + b for a, b in zip(hits, h, strict=True)]
         totals = [a + b for a, b in zip(totals, t, strict=True)]
     model.train()
@@ -138,7 +154,9 @@ def fit(
     config: TrainConfig,
     checkpoint: str,
 ) -> list[dict[str, Any]]:
-    """Train `model` for the epochs not yet in `checkpoint`; the history of those epochs."""
+    """Train `model` for the epochs not yet in `checkpoint`; the history of those epochs.
+    The model and every batch go to `config.torch_device`."""
+    model.to(config.torch_device)
     rng = random.Random(config.seed)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0
@@ -157,7 +175,7 @@ def fit(
     os.makedirs(os.path.dirname(os.path.abspath(checkpoint)), exist_ok=True)
     start_epoch = 0
     if os.path.isfile(checkpoint):
-        state = torch.load(checkpoint)
+        state = torch.load(checkpoint, map_location=config.torch_device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
@@ -170,7 +188,8 @@ def fit(
         )
         losses = []
         for index in bar:
-            loss, hits, totals = step_fn(collate(train, index, label_map, config.ttt_steps))
+            batch = collate(train, index, label_map, config.ttt_steps)
+            loss, hits, totals = step_fn(batch.to(config.torch_device))
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--ttt-steps", type=int, default=TrainConfig.ttt_steps)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--device", default="auto", help="where the head trains: auto (CUDA if any), cpu, cuda"
+    )
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.threads:
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         lr=args.lr,
         batch_tokens=args.batch_tokens,
         seed=args.seed,
+        device=args.device,
     )
     print(
         json.dumps(

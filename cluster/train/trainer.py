@@ -117,7 +117,7 @@ def write_head_config(target_config: Any, out_dir: str, **updates: Any) -> None:
 
 def save_state(state: dict[str, torch.Tensor], path: str, dtype: torch.dtype) -> None:
     """Floating tensors in `dtype`, others as they are, to one safetensors file."""
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).cpu() for k, v in state.items()}
     save_file(state, path)
 
 
