@@ -40,6 +40,7 @@ def test_default_manifest_is_the_embedded_default_with_its_eagle3_head(smollm2_p
         "method": "eagle3",
         "model": "builtin:smollm2-eagle3",
         "num_speculative_tokens": 3,
+        "adaptive": True,
     }
     spec = args.engine_config().speculative
     assert spec.resolved_method == "eagle3" and os.path.isfile(
