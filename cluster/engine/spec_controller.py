@@ -9,10 +9,12 @@ over windows of `window_steps` steps during which k is held.
 
 - Buckets created before anything is measured (the first batch sizes seen) measure
   every arm in a row (K first), then keep the best.
-- A bucket whose arms are not all measured follows the nearest fully measured bucket's
-  choice, and measures its own untried arms in probe windows.
-- Every `explore_every` windows one other arm is re-tried (untried first, then
-  round-robin), so a change in acceptance or load is noticed.
+- A bucket that has measured fewer than two arms follows the nearest bucket that has.
+- Probes are local and back off: every `explore_every` windows a neighbour of the
+  chosen k (k - 1 or k + 1, untried first) is measured for one window; while probes
+  change nothing the interval doubles (up to `max_explore_every`), so a far-off bad
+  arm is never paid for again and a settled bucket rarely pays for probes at all, yet a
+  change in acceptance or load is still noticed (and climbed towards, one k at a time).
 - Drafting must clearly pay: k > 0 is chosen only when its goodput beats k = 0's by
   `min_gain` (`min_gain_single` at batch 1). With several requests, drafts cost more
   than a step's goodput shows: requests accept at different rates, so a batch that
@@ -40,6 +42,10 @@ class _Bucket:
     steps: int = 0
     windows: int = 0  # completed since the bucket was created
     next_probe: int = 0
+    probing: bool = False  # the current window is a probe
+    since_probe: int = 0  # windows since the last probe
+    interval: int = 0  # windows between probes (0: not set yet)
+    choice_before_probe: int = 0
 
     @property
     def untried(self) -> list[int]:
@@ -55,6 +61,7 @@ class SpecController:
         smoothing: float = 0.5,
         min_gain: float = 0.25,
         min_gain_single: float = 0.02,
+        max_explore_every: int = 64,
     ) -> None:
         self.max_drafts = max_drafts
         self.window_steps = window_steps
@@ -62,6 +69,7 @@ class SpecController:
         self.smoothing = smoothing
         self.min_gain = min_gain
         self.min_gain_single = min_gain_single
+        self.max_explore_every = max_explore_every
         self._buckets: dict[int, _Bucket] = {}
 
     @staticmethod
@@ -91,14 +99,14 @@ class SpecController:
         return best
 
     def _choice(self, key: int) -> int:
-        """The arm to use outside probes: this bucket's best once all its arms are
-        measured, else the nearest fully measured bucket's, else its own best so far."""
+        """The arm to use outside probes: this bucket's best once it has measured two
+        arms, else the nearest such bucket's, else its own best or current arm."""
         bucket = self._buckets[key]
-        if not bucket.untried:
+        if len(bucket.goodput) - len(bucket.untried) >= 2:
             return self._best(bucket.goodput, key)
-        complete = [k for k, b in self._buckets.items() if not b.untried]
-        if complete:
-            nearest = min(complete, key=lambda k: (abs(k - key), k))
+        informed = [k for k, b in self._buckets.items() if len(b.goodput) - len(b.untried) >= 2]
+        if informed:
+            nearest = min(informed, key=lambda k: (abs(k - key), k))
             return self._best(self._buckets[nearest].goodput, nearest)
         if len(bucket.untried) < len(bucket.goodput):
             return self._best(bucket.goodput, key)
@@ -134,13 +142,23 @@ class SpecController:
             bucket.current = untried[0]
             return
         bucket.sweeping = False
-        if bucket.windows % self.explore_every == 0 and self.max_drafts > 0:
-            choice = self._choice(key)
-            others = untried or [k for k in range(self.max_drafts + 1) if k != choice]
-            bucket.current = others[bucket.next_probe % len(others)]
-            bucket.next_probe += 1
+        choice = self._choice(key)
+        if bucket.probing:  # a probe just ended: probe less often while nothing changes
+            bucket.probing, bucket.since_probe = False, 0
+            unchanged = choice == bucket.choice_before_probe
+            bucket.interval = min(2 * bucket.interval, self.max_explore_every) if unchanged else 0
         else:
-            bucket.current = self._choice(key)
+            bucket.since_probe += 1
+        bucket.interval = bucket.interval or self.explore_every
+        neighbours = [k for k in (choice - 1, choice + 1) if 0 <= k <= self.max_drafts]
+        if bucket.since_probe >= bucket.interval and neighbours:
+            untried = [k for k in neighbours if bucket.goodput[k] is None]
+            options = untried or neighbours
+            bucket.current = options[bucket.next_probe % len(options)]
+            bucket.next_probe += 1
+            bucket.probing, bucket.choice_before_probe = True, choice
+        else:
+            bucket.current = choice
 
     def summary(self) -> dict[str, dict[str, object]]:
         """Per batch-size bucket: measured goodput per k and the k in use (for metrics)."""
