@@ -22,7 +22,12 @@ def _lines(stream, out: queue.Queue) -> None:
 
 def _wait_for_line(lines: queue.Queue, prefix: str, timeout_s: float, seen: list[str]) -> str:
     while True:
-        line = lines.get(timeout=timeout_s)
+        try:
+            line = lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(
+                f"no {prefix!r} line in {timeout_s} s; the server said:\n" + "".join(seen[-40:])
+            ) from None
         if line is None:
             raise AssertionError("the server exited:\n" + "".join(seen[-40:]))
         seen.append(line)

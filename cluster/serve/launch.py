@@ -4,6 +4,8 @@ HTTP proxy on the manifest's (or a free) port, run the application, report its U
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 import time
 from typing import Any
 
@@ -56,14 +58,28 @@ def deploy(manifest: Manifest, host: str | None = None, port: int | None = None)
     return handle, f"http://{shown}:{port}{manifest.route_prefix.rstrip('/')}"
 
 
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM (what process managers send) both stop the server cleanly. SIGINT
+    is set explicitly: a shell starting us in the background would leave it ignored."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+
+
 def serve_forever(
     manifest: Manifest,
     address: str | None = None,
     host: str | None = None,
     port: int | None = None,
 ) -> None:
-    """`cluster serve`: deploy, print the URL, serve until Ctrl-C, then shut down cleanly."""
+    """`cluster serve`: deploy, print the URL, serve until Ctrl-C or SIGTERM, then shut
+    down cleanly."""
     manifest.check_model()  # a bad manifest fails here, before Ray or any actor starts
+    _stop_on_signals()
     started = connect_ray(address)
     try:
         _, url = deploy(manifest, host, port)
