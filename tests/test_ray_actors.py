@@ -190,3 +190,31 @@ def test_stream_outputs_merge_within_the_interval():
         assert isinstance(await _newest(queue, 10.0), RuntimeError)
 
     asyncio.run(main())
+
+
+def test_an_abort_that_overtakes_its_add_drops_the_request(ray_session, tiny):
+    """The scheduler actor runs calls concurrently, so a client that leaves at once can
+    have its abort applied before its add: the add must then not start the request."""
+    from cluster.actors.scheduler_actor import SchedulerActor
+    from cluster.actors.wire import OutputBatch, encode_request
+    from cluster.engine.request import Request
+
+    config = engine_config_from_args(tiny, device="cpu", **ENGINE)
+    scheduler = SchedulerActor.options(name="cluster-aborttest-scheduler", namespace="cluster")
+    actor = scheduler.remote(config.model_dump_json(), HALF_CPU, None, "cluster-aborttest")
+    try:
+        ray.get(actor.abort.remote(["early"]))
+        request = Request("early", [5, 6, 7], _long_params(), eos_token_id=0)
+        ray.get(actor.add_request.remote(encode_request(request)))
+        ray.get(actor.add_request.remote(encode_request(Request("kept", [5, 6], GREEDY, 0))))
+        seen: set[str] = set()
+        finished = False
+        deadline = time.monotonic() + 30
+        while not finished and time.monotonic() < deadline:
+            batch = OutputBatch.decode(ray.get(actor.get_outputs.remote(1.0)))
+            seen |= {o.req_id for o in batch.outputs}
+            finished = any(o.req_id == "kept" and o.finished for o in batch.outputs)
+        assert finished and seen == {"kept"}  # "early" never ran
+        assert ray.get(actor.health.remote())["num_live_requests"] == 0
+    finally:
+        ray.kill(actor)

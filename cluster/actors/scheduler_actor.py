@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict
 from typing import Any
 
@@ -29,6 +30,9 @@ from cluster.actors.wire import EngineStats, OutputBatch, decode_request
 from cluster.config import EngineConfig
 from cluster.engine.core import EngineCore
 from cluster.engine.messages import EngineCoreOutput
+
+# How many aborts of not-yet-added request ids the scheduler remembers.
+_MAX_REMEMBERED_ABORTS = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,9 @@ class SchedulerActor:
         self._cv = threading.Condition()
         self._commands: list[tuple[str, Any]] = []
         self._live: set[str] = set()  # request ids added and not yet finished
+        # Aborts of ids not live: calls may run out of order here, so an abort can come
+        # before its own add (a client that left at once); that add is then dropped.
+        self._aborted_unknown: OrderedDict[str, None] = OrderedDict()
         self._outbox: list[EngineCoreOutput] = []
         self._stats = EngineStats()
         self._error: str | None = None
@@ -69,11 +76,20 @@ class SchedulerActor:
             self._raise_if_dead()
             if request.request_id in self._live:
                 raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+            if request.request_id in self._aborted_unknown:
+                del self._aborted_unknown[request.request_id]
+                return  # its client already left
             self._live.add(request.request_id)
             self._commands.append(("add", request))
             self._cv.notify_all()
 
     def abort(self, request_ids: list[str]) -> None:
+        with self._cv:
+            for request_id in request_ids:
+                if request_id not in self._live:
+                    self._aborted_unknown[request_id] = None
+                    while len(self._aborted_unknown) > _MAX_REMEMBERED_ABORTS:
+                        self._aborted_unknown.popitem(last=False)
         self._command("abort", request_ids)
 
     def finish_by_stop_string(self, request_id: str, stop: str) -> None:
