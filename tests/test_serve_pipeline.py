@@ -113,3 +113,28 @@ def test_killed_stage_fails_its_requests_fast_and_the_replica_is_replaced(apps):
     wait_for(replaced, 90, "Serve to replace the replica with the dead stage")
     assert asyncio.run(_engine_id(handle)) != engine
     assert [o.token_ids for o in asyncio.run(_generate(handle, PROMPTS))] == reference
+
+
+def test_smollm2_pipeline_replica_with_eagle3_on_three_stages(apps, smollm2_path, tmp_path):
+    """SmolLM2 (30 layers) at PP=3: EAGLE-3 reads layers 2, 15 and 27, one per stage."""
+    with LLM(smollm2_path, dtype="float32", max_model_len=512, num_kv_blocks=128) as llm:
+        tokenizer = llm.get_tokenizer()
+        prompts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+            for q in ("What is the capital of France?", "Write a haiku about rain.")
+        ]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        reference = [o.outputs[0].token_ids for o in outs]
+    spec = {"method": "eagle3", "model": "builtin:smollm2-eagle3"}
+    deploy(_manifest(str(tmp_path), smollm2_path, "smol-pp3", {"pipeline_parallel_size": 3}, spec))
+    try:
+        outs = asyncio.run(_generate(serve.get_deployment_handle("LLMServer", "smol-pp3"), prompts))
+        assert [o.token_ids for o in outs] == reference
+        assert sum(o.num_accepted_tokens for o in outs) > 0  # the trained head is right at times
+    finally:
+        serve.delete("smol-pp3")
