@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import KVBlockManager
@@ -19,6 +20,17 @@ from cluster.engine.scheduler import Scheduler
 from cluster.engine.spec_controller import SpecController
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Batch:
+    """A submitted step: what was scheduled, its pending result, and (for adaptive
+    speculation) the batch size that chose its draft count and when it started."""
+
+    scheduler_output: SchedulerOutput
+    pending: PendingOutput
+    batch_size: int
+    started: float
 
 
 class EngineCore:
@@ -46,7 +58,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, self.block_manager, max_len, lookahead, self.max_concurrent_batches
         )
-        self._in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
+        self._in_flight: deque[_Batch] = deque()
         self.spec_controller: SpecController | None = None
         if spec is not None and spec.adaptive:
             self.spec_controller = SpecController(spec.num_speculative_tokens)
@@ -77,31 +89,26 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule a batch and run it. With pipeline stages, submit batches until one per
-        stage is in flight (returning nothing meanwhile), then finish the oldest."""
-        if self.max_concurrent_batches == 1:
+        """Schedule a batch and submit it, then finish the oldest batch in flight. With
+        pipeline stages, batches are submitted until one per stage is in flight (returning
+        nothing meanwhile); with one stage every step schedules, runs and finishes a batch."""
+        submitted = False
+        if len(self._in_flight) < self.max_concurrent_batches:
             start = time.perf_counter()
             batch_size, num_drafts = self._num_drafts()
             scheduler_output = self.scheduler.schedule(num_drafts)
-            if not scheduler_output.scheduled and not scheduler_output.freed_req_ids:
-                return []
-            runner_output = self.executor.execute_model(scheduler_output)
-            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-            self._observe(scheduler_output, batch_size, outputs, time.perf_counter() - start)
-            return outputs
-        submitted = False
-        if len(self._in_flight) < self.max_concurrent_batches:
-            scheduler_output = self.scheduler.schedule()
             if scheduler_output.scheduled or scheduler_output.freed_req_ids:
                 pending = self.executor.submit_model(scheduler_output)
-                self._in_flight.append((scheduler_output, pending))
+                self._in_flight.append(_Batch(scheduler_output, pending, batch_size, start))
                 submitted = bool(scheduler_output.scheduled)
         if not self._in_flight or (
             submitted and len(self._in_flight) < self.max_concurrent_batches
         ):
             return []
-        scheduler_output, pending = self._in_flight.popleft()
-        return self.scheduler.update_from_output(scheduler_output, pending())
+        batch = self._in_flight.popleft()
+        outputs = self.scheduler.update_from_output(batch.scheduler_output, batch.pending())
+        self._observe(batch, outputs)
+        return outputs
 
     def _num_drafts(self) -> tuple[int, int | None]:
         """(the batch size deciding it, drafts for the coming step); None: not adaptive."""
@@ -110,15 +117,10 @@ class EngineCore:
         batch_size = max(1, self.scheduler.num_running)
         return batch_size, self.spec_controller.num_drafts(batch_size)
 
-    def _observe(
-        self,
-        scheduler_output: SchedulerOutput,
-        batch_size: int,
-        outputs: list[EngineCoreOutput],
-        seconds: float,
-    ) -> None:
+    def _observe(self, batch: _Batch, outputs: list[EngineCoreOutput]) -> None:
         """Feed the controller steps that only decode and verify (a prefill chunk's cost
-        says nothing about drafting)."""
+        says nothing about drafting). Only with one stage: adaptive needs PP=1."""
+        scheduler_output = batch.scheduler_output
         controller, num_drafts = self.spec_controller, scheduler_output.num_drafts
         if controller is None or num_drafts is None:
             return
@@ -128,7 +130,8 @@ class EngineCore:
         ):
             return
         num_tokens = sum(len(o.new_token_ids) for o in outputs)
-        controller.observe(batch_size, num_drafts, num_tokens, seconds)
+        seconds = time.perf_counter() - batch.started
+        controller.observe(batch.batch_size, num_drafts, num_tokens, seconds)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
