@@ -12,7 +12,7 @@ from cluster.models.attention import AttentionMetadata
 from cluster.models.loader import load_draft_head, load_model
 from cluster.parallel import ParallelState
 from cluster.parallel.pipeline import StageActivations, stage_layer_counts
-from cluster.spec_decode.random_heads import write_all
+from cluster.spec_decode.random_heads import write_all, write_eagle
 
 TOL = 1e-4
 SEQ_LENS = [3, 9, 1]
@@ -177,7 +177,7 @@ def _smollm2(path, **engine):
         return [o.outputs[0].token_ids for o in outs], llm.get_metrics()
 
 
-def test_smollm2_pipeline_with_eagle3_equals_one_stage(smollm2_path):
+def test_smollm2_pipeline_with_drafts_equals_one_stage(smollm2_path, tmp_path):
     """30 layers: EAGLE-3 reads 2, 15, 27: stages 0/1/1 at PP=2 and 0/1/2 at PP=3."""
     reference, _ = _smollm2(smollm2_path)
     assert _smollm2(smollm2_path, pipeline_parallel_size=3)[0] == reference  # speculation off
@@ -187,3 +187,11 @@ def test_smollm2_pipeline_with_eagle3_equals_one_stage(smollm2_path):
         )
         assert tokens == reference
         assert metrics["num_accepted_tokens"] > 0  # the trained head is right sometimes
+    # EAGLE-1 (random head) on the last stage, sharing the embedding it loads there
+    eagle = {"method": "eagle", "model": write_eagle(str(tmp_path / "eagle"), smollm2_path)}
+    tokens, metrics = _smollm2(
+        smollm2_path,
+        pipeline_parallel_size=2,
+        speculative_config={**eagle, "num_speculative_tokens": 2},
+    )
+    assert tokens == reference and metrics["num_draft_tokens"] > 0
