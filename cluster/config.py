@@ -132,6 +132,41 @@ class SchedulerConfig(_Frozen):
     enable_chunked_prefill: bool = True
 
 
+class CompileConfig(_Frozen):
+    """torch.compile of the target's and the draft's forwards, one graph per token-count
+    bucket (cluster/models/compiled.py); eager stays the reference.
+
+    `mode`: "on", "off", or "auto" (the default; `$CLUSTER_COMPILE` overrides it): compile
+    on a single rank when the target is large enough for compiled kernels to pay (about
+    50M parameters and up); tensor- and pipeline-parallel ranks run eagerly unless "on".
+    """
+
+    mode: Literal["auto", "on", "off"] = Field(
+        default_factory=lambda: os.environ.get("CLUSTER_COMPILE", "auto"), validate_default=True
+    )
+    # Token counts with a compiled graph; a step with more tokens runs eagerly.
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # CPU: let inductor time its C++ GEMM templates against BLAS per shape (slower start).
+    autotune: bool = True
+
+    @field_validator("sizes")
+    @classmethod
+    def _check_sizes(cls, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        if not sizes or any(n < 1 for n in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"compile.sizes must be ascending positive ints, got {sizes}")
+        if sizes[-1] > 4096:
+            raise ValueError(f"compile.sizes must not exceed 4096 tokens, got {sizes[-1]}")
+        return sizes
+
+    def enabled(self, hf_config: Any, world_size: int) -> bool:
+        """Whether this engine compiles (resolving "auto")."""
+        if self.mode != "auto":
+            return self.mode == "on"
+        hidden, layers = int(hf_config.hidden_size), int(hf_config.num_hidden_layers)
+        params = 12 * layers * hidden**2 + int(hf_config.vocab_size) * hidden
+        return world_size == 1 and params >= 50_000_000
+
+
 class EngineConfig(_Frozen):
     """Everything one engine needs; cross-checks the parts against the model."""
 
@@ -140,7 +175,12 @@ class EngineConfig(_Frozen):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig | None = None
+    compile: CompileConfig = Field(default_factory=CompileConfig)
     seed: int = 0
+
+    @property
+    def compiles(self) -> bool:
+        return self.compile.enabled(self.model.hf_config, self.parallel.world_size)
 
     @model_validator(mode="after")
     def _check_against_model(self) -> EngineConfig:
@@ -203,6 +243,9 @@ _FLAT_ARGS = {
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
+    "compile": ("compile", "mode"),
+    "compile_sizes": ("compile", "sizes"),
+    "compile_autotune": ("compile", "autotune"),
 }
 
 
@@ -221,6 +264,7 @@ def engine_config_from_args(
         "parallel": {},
         "cache": {},
         "scheduler": {},
+        "compile": {},
     }
     for name, value in kwargs.items():
         if value is not None:
@@ -231,6 +275,7 @@ def engine_config_from_args(
         parallel=ParallelConfig(**sections["parallel"]),
         cache=CacheConfig(**sections["cache"]),
         scheduler=SchedulerConfig(**sections["scheduler"]),
+        compile=CompileConfig(**sections["compile"]),
         speculative=(
             SpeculativeConfig(**speculative_config)
             if isinstance(speculative_config, dict)

@@ -1,4 +1,5 @@
-"""Shared test set-up: Triton kernels run in the interpreter on machines without CUDA.
+"""Shared test set-up: Triton kernels run in the interpreter on machines without CUDA,
+and engines run eagerly unless a test compiles on purpose.
 
 TRITON_INTERPRET must be set before any kernel module is imported, hence here.
 """
@@ -10,6 +11,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Engines run eagerly unless a test asks for compile="on" (compiling is tested on purpose,
+# once per module, not as a side effect of every SmolLM2 engine).
+os.environ.setdefault("CLUSTER_COMPILE", "off")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

@@ -4,11 +4,11 @@ step, the direction of EAGLE-3's d2t, EAGLE-3's pre-norm hidden) are pinned down
 
 import pytest
 import torch
+from forward_helpers import draft_prefill, prefill
 from safetensors.torch import load_file
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
-from cluster.models.attention import AttentionMetadata
 from cluster.spec_decode.random_heads import write_all
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
@@ -71,8 +71,7 @@ def _reference_drafts(draft, hf, first_token):
     tokens = [*PROMPT[1:], first_token]
     drafts = []
     for step in range(K):
-        meta = AttentionMetadata.for_prefill([len(tokens)])
-        logits_hidden, next_hidden = draft(torch.tensor(tokens), hidden_in, meta, step)
+        logits_hidden, next_hidden = draft_prefill(draft, torch.tensor(tokens), hidden_in, step)
         token = int(draft.compute_logits(logits_hidden[-1:], step).argmax())
         drafts.append(token)
         tokens.append(token)
@@ -97,9 +96,7 @@ def test_reference_detects_a_wrong_hidden_source(setup):
         states = hf(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states[-1][0]
         tokens, hidden_in, wrong = [*PROMPT[1:], first], states, []
         for step in range(K):
-            lh, _ = draft(
-                torch.tensor(tokens), hidden_in, AttentionMetadata.for_prefill([len(tokens)]), step
-            )
+            lh, _ = draft_prefill(draft, torch.tensor(tokens), hidden_in, step)
             token = int(draft.compute_logits(lh[-1:], step).argmax())
             wrong.append(token)
             tokens.append(token)
@@ -165,9 +162,10 @@ def test_eagle3_d2t_direction_and_prenorm_hidden(setup):
         assert torch.isinf(logits).sum(-1).eq(logits.shape[1] - d2t.shape[0]).all()
         # the hidden handed to the next pass is the layer's pre-norm output
         ids = torch.tensor([3, 4, 5])
-        meta = AttentionMetadata.for_prefill([3])
-        normed, next_hidden = draft(ids, hidden, meta, 1)
-        x, residual = draft.midlayer(meta.positions, draft.embed_tokens(ids), hidden, meta)
+        normed, next_hidden = draft_prefill(draft, ids, hidden, 1)
+        x, residual = prefill(
+            lambda i, pos: draft.midlayer(pos, draft.embed_tokens(i), hidden), ids, [3]
+        )
         torch.testing.assert_close(next_hidden, x + residual)
         torch.testing.assert_close(normed, draft.norm(x + residual))
 
@@ -185,13 +183,19 @@ def test_mtp_layer_per_step(setup):
         draft = llm.engine.core.executor.worker.draft_head
     assert draft.num_attention_layers == 2
     ids, hidden = torch.tensor([3, 4]), torch.randn(2, draft.config.hidden_size)
-    meta = AttentionMetadata.for_prefill([2])
     with torch.no_grad():
-        outputs = [draft(ids, hidden, meta, step)[0] for step in range(4)]
+        outputs = [draft_prefill(draft, ids, hidden, step)[0] for step in range(4)]
         for step, out in enumerate(outputs):
             layer = draft.model.layers[str(draft.first_layer_idx + step % 2)]
             fused = torch.cat([layer.enorm(draft.embed_tokens(ids)), layer.hnorm(hidden)], -1)
-            h, residual = layer.mtp_block(meta.positions, layer.eh_proj(fused), None, meta)
+            block = layer.mtp_block
+            h, residual = prefill(
+                lambda i, pos, block=block, fused=fused, layer=layer: block(
+                    block.self_attn.rope(pos, fused.dtype), layer.eh_proj(fused), None
+                ),
+                ids,
+                [2],
+            )
             torch.testing.assert_close(out, h + residual)
             logits = draft.compute_logits(out, step)
             torch.testing.assert_close(logits, draft.lm_head(layer.shared_head.norm(out)))
@@ -209,20 +213,26 @@ def test_proposer_runs_pass_s_with_step_s(setup):
         speculative_config={**specs["mtp_deepseek"], "num_speculative_tokens": 3},
     ) as llm:
         draft = llm.engine.core.executor.worker.draft_head
-        steps = []
-        original = draft.forward
+        kinds, steps = [], []
+        forward, compute_logits = draft.forward, draft.compute_logits
 
-        def recording_forward(input_ids, hidden, meta, step):
+        def recording_forward(input_ids, hidden, positions, kind):
+            kinds.append(kind)
+            return forward(input_ids, hidden, positions, kind)
+
+        def recording_logits(hidden, step):
             steps.append(step)
-            return original(input_ids, hidden, meta, step)
+            return compute_logits(hidden, step)
 
-        draft.forward = recording_forward
+        draft.forward, draft.compute_logits = recording_forward, recording_logits
         llm.generate(
             {"prompt_token_ids": PROMPT},
             SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
             use_tqdm=False,
         )
+    # Pass s runs layer s % 2 (the forward depends on s only through that) and its head.
     assert steps[:3] == [0, 1, 2]
+    assert kinds[:3] == [0, 1, 0]
 
 
 class SteeredProposer:
@@ -292,12 +302,7 @@ def test_drafts_after_partial_acceptance_equal_a_recompute(setup, kind):
             hidden_in = draft.combine_target_hidden(features)
             tokens, expected = history[1:], []
             for step in range(len(real)):
-                lh, nh = draft(
-                    torch.tensor(tokens),
-                    hidden_in,
-                    AttentionMetadata.for_prefill([len(tokens)]),
-                    step,
-                )
+                lh, nh = draft_prefill(draft, torch.tensor(tokens), hidden_in, step)
                 token = int(draft.compute_logits(lh[-1:], step).argmax())
                 expected.append(token)
                 tokens = [*tokens, token]

@@ -6,11 +6,12 @@ in-process and at TP=2 across two gloo processes.
 
 import pytest
 import torch
+from forward_helpers import prefill
 from tiny_models import VARIANTS, hf_logits, make_tiny_llama
 from tp_workers import model_logits
 
 from cluster.config import ModelConfig
-from cluster.models.attention import AttentionMetadata, ContiguousKVCache
+from cluster.models.attention import AttentionMetadata, ContiguousKVCache, attention_context
 from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
 from cluster.parallel.spawn import spawn_ranks
@@ -44,7 +45,7 @@ def test_tp1_matches_transformers(checkpoints, variant):
     seqs = _batch(hf.config.vocab_size)
     model = load_model(ModelConfig(path=path, dtype="float32"), ParallelState.single())
     with torch.no_grad():
-        hidden = model(torch.cat(seqs), AttentionMetadata.for_prefill(SEQ_LENS))
+        hidden = prefill(model, torch.cat(seqs), SEQ_LENS)
         logits = model.compute_logits(hidden)
     for ours, ref in zip(_split(logits), hf_logits(hf, seqs), strict=True):
         assert (ours - ref).abs().max().item() < TOL
@@ -70,7 +71,7 @@ def test_aux_hidden_states_are_transformers_hidden_states(checkpoints):
     model = load_model(ModelConfig(path=path, dtype="float32"), ParallelState.single())
     layers = (2, 0, 1)
     with torch.no_grad():
-        _, aux = model(torch.cat(seqs), AttentionMetadata.for_prefill(SEQ_LENS), layers)
+        _, aux = prefill(model, torch.cat(seqs), SEQ_LENS, layers)
         for i, seq in enumerate(seqs):
             ref = hf(seq[None], output_hidden_states=True).hidden_states
             for layer, ours in zip(layers, aux, strict=True):
@@ -97,7 +98,8 @@ def test_incremental_decode_with_cache_matches_full_forward(checkpoints):
             positions = torch.cat([torch.arange(d, d + n) for d, n in zip(done, new, strict=True)])
             seq_lens = [d + n for d, n in zip(done, new, strict=True)]
             meta = AttentionMetadata(starts, seq_lens, positions, cache, cache_slots=[1, 0])
-            logits = model.compute_logits(model(ids, meta))
+            with attention_context(meta):
+                logits = model.compute_logits(model(ids, positions))
             for i in range(2):
                 got = logits[starts[i] : starts[i + 1]]
                 want = refs[i][done[i] : done[i] + new[i]]

@@ -4,11 +4,11 @@ giving the greedy output of PP=1."""
 
 import pytest
 import torch
+from forward_helpers import prefill
 from tiny_models import VARIANTS, hf_logits, make_tiny_chat_model, make_tiny_llama
 
 from cluster import LLM, SamplingParams
 from cluster.config import ModelConfig, SpeculativeConfig
-from cluster.models.attention import AttentionMetadata
 from cluster.models.loader import load_draft_head, load_model
 from cluster.parallel import ParallelState
 from cluster.parallel.pipeline import StageActivations, stage_layer_counts
@@ -61,12 +61,11 @@ def test_stages_chained_in_one_process_match_transformers(tmp_path, variant, pp,
         assert owned == set(range(stage.model.start_layer, stage.model.end_layer))
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=g) for n in SEQ_LENS]
-    meta = AttentionMetadata.for_prefill(SEQ_LENS)
     aux_layers = (2, 0, 1)
     with torch.no_grad():
         out = None
         for stage in stages:
-            out = stage(torch.cat(seqs), meta, aux_layers, out)
+            out = prefill(stage, torch.cat(seqs), SEQ_LENS, aux_layers, out)
             if stage is not last:
                 assert isinstance(out, StageActivations)
                 assert len(out.aux) == len({i for i in aux_layers if i < stage.model.end_layer})

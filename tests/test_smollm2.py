@@ -6,11 +6,11 @@ refused at configuration time.
 
 import pytest
 import torch
+from forward_helpers import prefill
 from tp_workers import model_logits
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cluster.config import EngineConfig, ModelConfig, ParallelConfig
-from cluster.models.attention import AttentionMetadata
 from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
 from cluster.parallel.spawn import spawn_ranks
@@ -65,9 +65,7 @@ def test_tp1_matches_transformers(smollm2_path, reference):
     seqs, refs = reference
     model = load_model(ModelConfig(path=smollm2_path, dtype="float32"), ParallelState.single())
     with torch.no_grad():
-        logits = model.compute_logits(
-            model(torch.cat(seqs), AttentionMetadata.for_prefill([len(s) for s in seqs]))
-        )
+        logits = model.compute_logits(prefill(model, torch.cat(seqs), [len(s) for s in seqs]))
     _check(logits, seqs, refs)
 
 

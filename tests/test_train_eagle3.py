@@ -4,11 +4,11 @@ head the engine loads and keeps lossless."""
 
 import pytest
 import torch
+from forward_helpers import draft_prefill, prefill
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
 from cluster.config import ModelConfig
-from cluster.models.attention import AttentionMetadata
 from cluster.models.eagle3 import eagle3_aux_layers
 from cluster.models.loader import load_draft_head, load_model
 from cluster.parallel import ParallelState
@@ -47,7 +47,7 @@ def test_features_are_the_engines_aux_states(setup):
     )
     ids = torch.tensor(samples[1].token_ids)
     with torch.no_grad():
-        _, aux = model(ids, AttentionMetadata.for_prefill([len(ids)]), eagle3_aux_layers(6))
+        _, aux = prefill(model, ids, [len(ids)], eagle3_aux_layers(6))
     torch.testing.assert_close(shards[1]["features"].float(), torch.cat(aux, -1).half().float())
 
 
@@ -87,12 +87,7 @@ def test_trainable_equals_the_inference_head_with_teacher_forcing(setup):
             hidden_in = head.combine_target_hidden(feats[: anchor + 1])
             tokens = ids[1 : anchor + 2].tolist()
             for step in range(steps):
-                lh, nh = head(
-                    torch.tensor(tokens),
-                    hidden_in,
-                    AttentionMetadata.for_prefill([len(tokens)]),
-                    step,
-                )
+                lh, nh = draft_prefill(head, torch.tensor(tokens), hidden_in, step)
                 draft_logits = head.lm_head(lh[-1:])[0]  # draft vocabulary
                 torch.testing.assert_close(
                     draft_logits, train_logits[step][0, anchor], atol=2e-4, rtol=1e-4

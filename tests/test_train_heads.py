@@ -5,12 +5,12 @@ and keeps lossless."""
 
 import pytest
 import torch
+from forward_helpers import draft_prefill, prefill
 from safetensors.torch import load_file
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
 from cluster.config import ModelConfig
-from cluster.models.attention import AttentionMetadata
 from cluster.models.loader import load_draft_head, load_model
 from cluster.parallel import ParallelState
 from cluster.speculative_config import SpeculativeConfig
@@ -83,7 +83,7 @@ def test_features_are_what_the_engine_feeds_the_head(setup):
     )
     ids = torch.tensor(samples[1].token_ids)
     with torch.no_grad():
-        hidden = model(ids, AttentionMetadata.for_prefill([len(ids)]))
+        hidden = prefill(model, ids, [len(ids)])
     torch.testing.assert_close(shards[1]["features"].float(), hidden.half().float())
 
 
@@ -144,12 +144,7 @@ def test_trainable_equals_the_inference_head_with_teacher_forcing(setup, method)
             hidden_in = head.combine_target_hidden(feats[: anchor + 1])
             tokens = ids[1 : anchor + 2].tolist()
             for step in range(steps):
-                lh, nh = head(
-                    torch.tensor(tokens),
-                    hidden_in,
-                    AttentionMetadata.for_prefill([len(tokens)]),
-                    step,
-                )
+                lh, nh = draft_prefill(head, torch.tensor(tokens), hidden_in, step)
                 torch.testing.assert_close(
                     head.compute_logits(lh[-1:], step)[0],
                     train_logits[step][0, anchor],

@@ -6,9 +6,9 @@ They live in an importable module (not a test file) so spawned processes can unp
 from __future__ import annotations
 
 import torch
+from forward_helpers import prefill
 
 from cluster.config import ModelConfig
-from cluster.models.attention import AttentionMetadata
 from cluster.models.loader import load_model
 from cluster.parallel import (
     ColumnParallelLinear,
@@ -34,10 +34,9 @@ def model_logits(
         outs = []
         for path in paths:
             model = load_model(ModelConfig(path=path, dtype="float32"), state, show_progress=False)
-            meta = AttentionMetadata.for_prefill([len(s) for s in seqs])
             ids = torch.tensor([t for s in seqs for t in s])
             with torch.no_grad():
-                outs.append(model.compute_logits(model(ids, meta)))
+                outs.append(model.compute_logits(prefill(model, ids, [len(s) for s in seqs])))
             del model
         return outs
     finally:

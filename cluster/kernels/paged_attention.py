@@ -27,34 +27,29 @@ def write_kv_ref(
     v: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens] int
+    slot_mapping: torch.Tensor,  # [num_tokens] int, every entry >= 0
 ) -> None:
-    block_size = k_cache.shape[1]
-    keep = slot_mapping >= 0  # a negative slot means "do not store this token"
-    if not bool(keep.all()):
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, offsets] = k
-    v_cache[blocks, offsets] = v
+    slots = slot_mapping.long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[seq_len, kv_heads, head_dim] of one sequence, gathered from its blocks."""
-    block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
+# Sequences with at most this many new tokens share one padded attention call (decode,
+# verification, short prompts); longer ones (prefill chunks) run one by one.
+MAX_BATCHED_QUERY_LEN = 16
 
 
 @dataclass
 class AttentionPlan:
     """What `paged_attention_ref` derives from the step's metadata alone, computed once per
-    step and shared by every layer (the layers differ only in their caches)."""
+    step and shared by every layer (the layers differ only in their caches). The batched
+    sequences' queries are padded to `max_q` rows and their contexts to `max_len` keys."""
 
-    multi: list[int]  # sequences with several new tokens (prefill chunks, verification)
-    rows: torch.Tensor | None  # [n] the query row of each single-token (decode) sequence
-    tables: torch.Tensor | None  # [n, max_blocks] their block tables
-    invalid: torch.Tensor | None  # [n, max_len, 1, 1] slots past each context
-    mask: torch.Tensor | None  # [n, 1, 1, max_len] keys each query may see
+    long: list[int]  # sequences run one by one
+    query_rows: torch.Tensor | None  # [n, max_q] token row of each query (padding: row 0)
+    out_rows: torch.Tensor | None  # [n * max_q] where each result goes (padding: num_tokens)
+    key_slots: torch.Tensor | None  # [n, max_len] cache slot of each key (padding: a real one)
+    mask: torch.Tensor | None  # [n, 1, max_q, max_len] keys each query may see
 
 
 def plan_paged_attention(
@@ -66,17 +61,39 @@ def plan_paged_attention(
     device = block_tables.device
     num_seqs = len(seq_lens)
     query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(num_seqs)]
-    single = [i for i in range(num_seqs) if query_lens[i] == 1]
-    multi = [i for i in range(num_seqs) if query_lens[i] > 1]
-    if not single:
-        return AttentionPlan(multi, None, None, None, None)
-    rows = torch.tensor([query_start_loc[i] for i in single], device=device)
-    lens = torch.tensor([seq_lens[i] for i in single], device=device)
-    max_blocks = -(-max(seq_lens[i] for i in single) // block_size)
-    tables = block_tables[single, :max_blocks]
-    positions = torch.arange(max_blocks * block_size, device=device)
-    valid = positions[None, :] < lens[:, None]  # [n, max_len]
-    return AttentionPlan(multi, rows, tables, ~valid[:, :, None, None], valid[:, None, None, :])
+    batched = [i for i in range(num_seqs) if 0 < query_lens[i] <= MAX_BATCHED_QUERY_LEN]
+    long = [i for i in range(num_seqs) if query_lens[i] > MAX_BATCHED_QUERY_LEN]
+    if not batched:
+        return AttentionPlan(long, None, None, None, None)
+    num_tokens = query_start_loc[-1]
+    max_q = max(query_lens[i] for i in batched)
+    max_blocks = -(-max(seq_lens[i] for i in batched) // block_size)
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    starts, q_lens, lens = (
+        ints([values[i] for i in batched]) for values in (query_start_loc, query_lens, seq_lens)
+    )
+    j = torch.arange(max_q, device=device)
+    is_query = j[None, :] < q_lens[:, None]  # [n, max_q]
+    query_rows = torch.where(is_query, starts[:, None] + j[None, :], 0)
+    out_rows = torch.where(is_query, starts[:, None] + j[None, :], num_tokens).flatten()
+    pos = torch.arange(max_blocks * block_size, device=device)  # [max_len]
+    tables = block_tables[batched, :max_blocks].long()
+    slots = tables[:, pos // block_size] * block_size + pos % block_size  # [n, max_len]
+    in_context = pos[None, :] < lens[:, None]
+    key_slots = torch.where(in_context, slots, slots[:, :1])  # never read a stale slot
+    query_pos = lens[:, None] - q_lens[:, None] + j[None, :]  # [n, max_q]
+    mask = (pos[None, None, :] <= query_pos[:, :, None]) & in_context[:, None, :]
+    return AttentionPlan(long, query_rows, out_rows, key_slots, mask[:, None])
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len, kv_heads, head_dim] of one sequence, gathered from its blocks."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
 
 
 def paged_attention_ref(
@@ -91,35 +108,34 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """Returns [num_tokens, heads, head_dim].
 
-    Sequences whose new tokens are all decode tokens (one query each) are batched into one
-    padded SDPA call; the others (prefill chunks, verification of draft tokens) go one by one.
-    `plan` (from `plan_paged_attention`) saves recomputing the index tensors per layer.
+    Sequences with few new tokens (decode, verification of drafts) share one padded SDPA
+    call; longer ones (prefill chunks) go one by one. `plan` (from `plan_paged_attention`)
+    saves recomputing the index tensors per layer.
     """
     if plan is None:
         plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
-    out = torch.empty_like(q)
-    if plan.rows is not None:
-        # [n, max_blocks * block_size, kv_heads, head_dim]: every context, padded
-        keys = k_cache[plan.tables].flatten(1, 2)
-        values = v_cache[plan.tables].flatten(1, 2)
-        # Slots past a context may hold anything (even NaN): zero them, then mask them out.
-        keys = keys.masked_fill(plan.invalid, 0)
-        values = values.masked_fill(plan.invalid, 0)
+    num_tokens = q.shape[0]
+    out = q.new_empty(num_tokens + 1, *q.shape[1:])  # the last row takes the padding
+    if plan.query_rows is not None:
+        flat_k = k_cache.view(-1, *k_cache.shape[2:])
+        flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        keys = flat_k[plan.key_slots].transpose(1, 2)  # [n, kv_heads, max_len, head_dim]
+        values = flat_v[plan.key_slots].transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q[plan.rows][:, :, None],  # [n, heads, 1, head_dim]
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
+            q[plan.query_rows].transpose(1, 2),  # [n, heads, max_q, head_dim]
+            keys,
+            values,
             attn_mask=plan.mask,
             scale=scale,
             enable_gqa=True,
         )
-        out[plan.rows] = o[:, :, 0]
-    for i in plan.multi:
+        out.index_copy_(0, plan.out_rows, o.transpose(1, 2).flatten(0, 1))
+    for i in plan.long:
         start, end = query_start_loc[i], query_start_loc[i + 1]
         seq_k = _gather_context(k_cache, block_tables[i], seq_lens[i])
         seq_v = _gather_context(v_cache, block_tables[i], seq_lens[i])
         out[start:end] = causal_attention(q[start:end], seq_k, seq_v, scale)
-    return out
+    return out[:num_tokens]
 
 
 def causal_attention(

@@ -1,17 +1,26 @@
 """Attention over flattened sequences, behind a small KV-cache interface.
 
-A batch is the concatenation of several sequences' new tokens (no padding).
+A batch is the concatenation of several sequences' new tokens.
 `AttentionMetadata.query_start_loc` marks where each sequence's tokens start and
 `seq_lens` gives each sequence's full context length after this step. A KV cache
 implements `attend`: store this step's keys and values, then attend each new
 token over its sequence's context. `ContiguousKVCache` keeps one contiguous row
 per sequence slot; the engine's `PagedKVCache` (cluster/worker/kv_cache.py) uses
 blocks. Without a cache, every sequence is computed from scratch.
+
+The step's metadata reaches the attention layers through `attention_context`, not
+through the model's arguments: the model's forward then only takes tensors, so a
+compiled forward (cluster/models/compiled.py) is one graph per token count, with
+attention as one opaque op (`cluster::attention`) that reads the metadata when it
+runs. A batch may carry padding rows after its `num_tokens` real ones (a compiled
+forward pads to its bucket): they get zeros and write no KV.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -59,6 +68,10 @@ class AttentionMetadata:
             starts.append(starts[-1] + n)
         positions = torch.cat([torch.arange(n) for n in seq_lens]).to(device)
         return AttentionMetadata(starts, list(seq_lens), positions)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
 
     @property
     def num_seqs(self) -> int:
@@ -125,19 +138,31 @@ class ContiguousKVCache:
         return attention_per_sequence(q, meta, scale, context)
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layer_idx: int,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole context.
+# The metadata of the forward running in this thread (or task): set by `attention_context`.
+_CURRENT_METADATA: ContextVar[AttentionMetadata | None] = ContextVar(
+    "cluster_attention_metadata", default=None
+)
 
-    q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] (this step's);
-    returns [num_tokens, heads * head_dim].
-    """
+
+@contextmanager
+def attention_context(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
+    """Every attention layer run inside this block uses `meta` (this step's batch)."""
+    token = _CURRENT_METADATA.set(meta)
+    try:
+        yield meta
+    finally:
+        _CURRENT_METADATA.reset(token)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    meta = _CURRENT_METADATA.get()
+    if meta is None:
+        raise RuntimeError("attention ran outside attention_context(meta)")
+    n, num_rows = meta.num_tokens, q.shape[0]  # a compiled forward pads to its bucket
+    if num_rows > n:
+        q, k, v = q[:n], k[:n], v[:n]
     if meta.kv_cache is not None:
         out = meta.kv_cache.attend(layer_idx, q, k, v, meta, scale)
     else:
@@ -145,4 +170,33 @@ def attention(
         out = attention_per_sequence(
             q, meta, scale, lambda i: (k[starts[i] : starts[i + 1]], v[starts[i] : starts[i + 1]])
         )
-    return out.reshape(q.shape[0], -1)
+    out = out.reshape(n, -1)
+    if num_rows > n:
+        out = torch.cat([out, out.new_zeros(num_rows - n, out.shape[1])])
+    return out
+
+
+@torch.library.custom_op("cluster::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    return _attend(q, k, v, layer_idx, scale)
+
+
+@_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole context, for the
+    batch of the enclosing `attention_context`.
+
+    q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] (this step's);
+    returns [num_tokens, heads * head_dim]. Under torch.compile this is one opaque op.
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.cluster.attention(q, k, v, layer_idx, scale)
+    return _attend(q, k, v, layer_idx, scale)

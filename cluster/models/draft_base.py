@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from cluster.models.attention import AttentionMetadata
 from cluster.models.llama import LlamaForCausalLM
 from cluster.parallel import ParallelLMHead, ParallelState, VocabParallelEmbedding
 
@@ -29,6 +28,9 @@ class DraftModel(nn.Module):
     packed_modules_mapping: ClassVar = LlamaForCausalLM.packed_modules_mapping
     ignored_checkpoint_tensors: ClassVar = (*LlamaForCausalLM.ignored_checkpoint_tensors, "t2d")
     num_attention_layers: int = 1
+    # How many different computations its passes make (`forward(..., step)` depends on
+    # `step` only through `step % num_step_kinds`): MTP heads cycle through their layers.
+    num_step_kinds: int = 1
     # The target's modules are used when the checkpoint has none (or always, for MTP).
     embed_tokens: VocabParallelEmbedding | None
     lm_head: ParallelLMHead | None
@@ -69,7 +71,7 @@ class DraftModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [n]
         hidden: torch.Tensor,  # [n, hidden]
-        meta: AttentionMetadata,
+        positions: torch.Tensor,  # [n]
         step: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError

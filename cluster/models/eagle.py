@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from cluster.models.attention import AttentionMetadata
 from cluster.models.draft_base import DraftModel
 from cluster.models.layers import RMSNorm
 from cluster.models.llama import LlamaDecoderLayer
@@ -54,12 +53,13 @@ class EagleLlama(DraftModel):
         _own_embedding_and_head(self, tensor_names, dtype)
 
     def forward(
-        self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata, step: int
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, step: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.fc(torch.cat([self.embed_tokens(input_ids), hidden], dim=-1))
         residual = None
+        rope = self.layers[0].self_attn.rope(positions, h.dtype)
         for layer in self.layers:
-            h, residual = layer(meta.positions, h, residual, meta)
+            h, residual = layer(rope, h, residual)
         h = h + residual
         return h, h
 
@@ -77,9 +77,10 @@ class EagleNormFusionLlama(DraftModel):
         _own_embedding_and_head(self, tensor_names, dtype)
 
     def forward(
-        self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata, step: int
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, step: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         fused = torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(hidden)], dim=-1)
-        h, residual = self.layers[0](meta.positions, self.eh_proj(fused), None, meta)
+        layer = self.layers[0]
+        h, residual = layer(layer.self_attn.rope(positions, fused.dtype), self.eh_proj(fused), None)
         h, _ = self.norm(h, residual)
         return h, h

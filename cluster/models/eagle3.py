@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from cluster.models.attention import AttentionMetadata
 from cluster.models.draft_base import DraftModel
 from cluster.models.layers import RMSNorm
 from cluster.models.llama import LlamaAttention, LlamaMLP
@@ -43,16 +42,12 @@ class Eagle3MidLayer(nn.Module):
         self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        meta: AttentionMetadata,
+        self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [n, 2H]
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(self.self_attn.rope(positions, x.dtype), x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -84,9 +79,9 @@ class Eagle3Llama(DraftModel):
         return self.fc(hidden)
 
     def forward(
-        self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata, step: int
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, step: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.midlayer(meta.positions, self.embed_tokens(input_ids), hidden, meta)
+        x, residual = self.midlayer(positions, self.embed_tokens(input_ids), hidden)
         normed, prenorm = self.norm(x, residual)
         return normed, prenorm
 

@@ -1,6 +1,7 @@
 """Llama-architecture target model (Llama-2/3, SmolLM2) on tensor-parallel layers.
 
-`forward` takes the flattened new tokens of several sequences and returns the
+`forward` takes the flattened new tokens of several sequences and their positions
+(the rest of the step's batch comes from `attention_context`) and returns the
 final-norm hidden state of every token (plus, when asked, the residual stream
 entering chosen layers, which EAGLE-3 reads). `compute_logits` is separate so
 the caller picks which rows need logits.
@@ -13,9 +14,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from cluster.models.attention import AttentionMetadata, attention
+from cluster.models.attention import attention
 from cluster.models.layers import RMSNorm, silu_and_mul
-from cluster.models.rotary import RotaryEmbedding, rope_parameters
+from cluster.models.rotary import Rope, RotaryEmbedding, apply_rope, rope_parameters
 from cluster.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -65,17 +66,18 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(self.head_dim, theta, scaling)
         self.scale = self.head_dim**-0.5
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        return self.rotary_emb.cos_sin(positions, dtype)
+
+    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [num_tokens, (heads + 2 * kv_heads) * head_dim] (local)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.qkv_proj.num_heads, self.head_dim)
         k = k.view(-1, self.qkv_proj.num_kv_heads, self.head_dim)
         v = v.view(-1, self.qkv_proj.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(attention(q, k, v, self.layer_idx, meta, self.scale))
+        q, k = apply_rope(q, k, rope)
+        return self.o_proj(attention(q, k, v, self.layer_idx, self.scale))
 
 
 class LlamaMLP(nn.Module):
@@ -105,17 +107,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
+        self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden = self.self_attn(rope, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -150,7 +148,7 @@ class LlamaModel(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        meta: AttentionMetadata,
+        positions: torch.Tensor,
         aux_hidden_layers: tuple[int, ...] = (),
         intermediate: StageActivations | None = None,
     ) -> StageActivations | tuple[torch.Tensor, list[torch.Tensor]]:
@@ -163,10 +161,11 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = intermediate.hidden, intermediate.residual
             aux = list(intermediate.aux)
+        rope = self.layers[self.start_layer].self_attn.rope(positions, hidden.dtype)
         for idx in range(self.start_layer, self.end_layer):
             if idx in aux_hidden_layers:
                 aux.append(hidden if residual is None else hidden + residual)
-            hidden, residual = self.layers[idx](meta.positions, hidden, residual, meta)
+            hidden, residual = self.layers[idx](rope, hidden, residual)
         assert residual is not None  # every stage has at least one layer
         if self.norm is None:
             return StageActivations(hidden, residual, aux)
@@ -204,17 +203,18 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        meta: AttentionMetadata,
+        positions: torch.Tensor,
         aux_hidden_layers: tuple[int, ...] = (),
         intermediate: StageActivations | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]] | StageActivations:
-        """input_ids: [num_tokens] -> final-norm hidden [num_tokens, hidden].
+        """input_ids, positions: [num_tokens] -> final-norm hidden [num_tokens, hidden],
+        inside `attention_context(meta)` for the step's batch.
 
         With `aux_hidden_layers`, also returns the residual stream entering each of those
         layers (transformers' `hidden_states[i]`), in the given layer order. A stage that
         is not the last returns the `StageActivations` for the next one instead.
         """
-        out = self.model(input_ids, meta, tuple(aux_hidden_layers), intermediate)
+        out = self.model(input_ids, positions, tuple(aux_hidden_layers), intermediate)
         if isinstance(out, StageActivations):
             return out
         hidden, aux = out

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from cluster.models.attention import AttentionMetadata
 from cluster.models.draft_base import DraftModel
 from cluster.models.layers import RMSNorm
 from cluster.models.llama import LlamaDecoderLayer
@@ -53,6 +52,7 @@ class DeepSeekMTP(DraftModel):
         self, config: Any, state: ParallelState, dtype: torch.dtype, tensor_names: set[str]
     ) -> None:
         self.num_attention_layers = count_mtp_layers(tensor_names, self.first_layer_idx, "deepseek")
+        self.num_step_kinds = self.num_attention_layers
         self.model = nn.Module()
         self.model.layers = nn.ModuleDict(
             {
@@ -80,11 +80,14 @@ class DeepSeekMTP(DraftModel):
         return self.model.layers[str(self.first_layer_idx + step % self.num_attention_layers)]
 
     def forward(
-        self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata, step: int
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, step: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self._layer(step)
         fused = torch.cat([layer.enorm(self.embed_tokens(input_ids)), layer.hnorm(hidden)], dim=-1)
-        h, residual = layer.mtp_block(meta.positions, layer.eh_proj(fused), None, meta)
+        block = layer.mtp_block
+        h, residual = block(
+            block.self_attn.rope(positions, fused.dtype), layer.eh_proj(fused), None
+        )
         h = residual + h
         return h, h
 
@@ -119,6 +122,7 @@ class Qwen3NextMTP(DraftModel):
         self.num_attention_layers = count_mtp_layers(
             tensor_names, self.first_layer_idx, "qwen3_next"
         )
+        self.num_step_kinds = self.num_attention_layers
         self.mtp = Qwen3NextMTPModule(
             config, self.first_layer_idx, self.num_attention_layers, state, dtype
         )
@@ -128,7 +132,7 @@ class Qwen3NextMTP(DraftModel):
         return name if name.startswith("mtp.") else None
 
     def forward(
-        self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata, step: int
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, step: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.mtp
         fused = torch.cat(
@@ -136,6 +140,6 @@ class Qwen3NextMTP(DraftModel):
             dim=-1,
         )
         layer = m.layers[step % self.num_attention_layers]
-        h, residual = layer(meta.positions, m.fc(fused), None, meta)
+        h, residual = layer(layer.self_attn.rope(positions, fused.dtype), m.fc(fused), None)
         h, _ = m.norm(h, residual)
         return h, h

@@ -56,6 +56,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [num_tokens, 1, head_dim]
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any]) -> None:
         super().__init__()
@@ -63,11 +66,14 @@ class RotaryEmbedding(nn.Module):
             "inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False
         )
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [num_tokens]; q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The step's rotation for every token, computed once and shared by every layer."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]."""
+    cos, sin = rope
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cluster.actors.placement import PlacementConfig
 from cluster.config import (
     CacheConfig,
+    CompileConfig,
     DTypeName,
     EngineConfig,
     ParallelConfig,
@@ -79,6 +80,7 @@ class ClusterArgs(_Frozen):
     # checked here; the rest (the draft checkpoint) with the model checks.
     speculative: dict[str, Any] | None = None
     server: ServerArgs = ServerArgs()
+    compile: CompileConfig = Field(default_factory=CompileConfig)
     seed: int = 0
 
     @field_validator("speculative")
@@ -145,6 +147,8 @@ class ClusterArgs(_Frozen):
             args["distributed_backend" if name == "backend" else name] = value
         args.update(self.cache.model_dump(exclude_unset=True))
         args.update(self.scheduler.model_dump(exclude_unset=True))
+        for name, value in self.compile.model_dump(exclude_unset=True).items():
+            args["compile" if name == "mode" else f"compile_{name}"] = value
         if self.speculative is not None:
             args["speculative_config"] = dict(self.speculative)
         return args

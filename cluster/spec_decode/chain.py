@@ -3,7 +3,8 @@
 After pass 0 each drafting request has one draft token, the position it follows and
 (for EAGLE) a hidden state. Every further pass feeds the previous draft token at the next
 position, one token per request, writing draft KV into the slots the scheduler reserved
-ahead. A request stops drafting when its next position has no reserved block.
+ahead. A request stops drafting when its next position has no reserved block. Draft
+tokens stay on the device until the chain ends: one transfer returns them all.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from collections.abc import Callable
 
 import torch
 
-from cluster.models.attention import AttentionMetadata, KVCache
+from cluster.models.attention import AttentionMetadata, KVCache, attention_context
 from cluster.sampling_params import SamplingParams
 
-# forward(input_ids [n], hidden [n, H] | None, meta, step) -> (logits [n, vocab], next hidden | None)
+# forward(input_ids [n], hidden [n, H] | None, positions [n], step)
+#   -> (logits [n, vocab], next hidden | None); run inside the step's attention context.
 StepFn = Callable[
-    [torch.Tensor, torch.Tensor | None, AttentionMetadata, int],
+    [torch.Tensor, torch.Tensor | None, torch.Tensor, int],
     tuple[torch.Tensor, torch.Tensor | None],
 ]
 
@@ -50,7 +52,7 @@ def run_chain(
     first_tokens: torch.Tensor,  # [n] draft 1 of each drafting request
     first_probs: torch.Tensor | None,  # [n, vocab]
     hidden: torch.Tensor | None,  # [n, H] the hidden state pass 1 continues from
-    last_positions: torch.Tensor,  # [n] position of the token draft 1 follows
+    last_positions: list[int],  # [n] position of the token draft 1 follows
     block_tables: torch.Tensor,  # [n, max_blocks]
     num_blocks: list[int],  # [n]
     block_size: int,
@@ -61,41 +63,48 @@ def run_chain(
 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
     """Drafts 2..k for every request; returns ([n][<= k] tokens, [n] probs [k_i, vocab] | None)."""
     n = first_tokens.shape[0]
-    drafts = [[t] for t in first_tokens.tolist()]
+    device = first_tokens.device
+    # [n] per pass, -1 once a request has stopped (requests only ever stop, so -1 ends a row)
+    passes = [first_tokens]
     probs: list[list[torch.Tensor]] = [
         [first_probs[i]] if first_probs is not None else [] for i in range(n)
     ]
     active = list(range(n))
-    tokens, positions = first_tokens, last_positions
-    capacity = torch.tensor(num_blocks, device=positions.device) * block_size
+    positions = list(last_positions)
+    tokens = first_tokens
     for step in range(1, k):
-        positions = positions + 1
-        still = [j for j, i in enumerate(active) if int(positions[j]) < int(capacity[i])]
+        still = [j for j, i in enumerate(active) if positions[j] + 1 < num_blocks[i] * block_size]
         if not still:
             break
-        rows = torch.tensor(still, device=positions.device)
+        if len(still) < len(active):
+            rows = torch.tensor(still, device=device)
+            tokens = tokens[rows]
+            hidden = hidden[rows] if hidden is not None else None
         active = [active[j] for j in still]
-        tokens, positions = tokens[rows], positions[rows]
-        hidden = hidden[rows] if hidden is not None else None
+        positions = [positions[j] + 1 for j in still]
+        pos = torch.tensor(positions, device=device)
         tables = block_tables[active]
-        slots = (
-            tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size
-            + positions % block_size
-        )
+        slots = tables.gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size
         meta = AttentionMetadata(
             query_start_loc=list(range(len(active) + 1)),
-            seq_lens=(positions + 1).tolist(),
-            positions=positions,
+            seq_lens=[p + 1 for p in positions],
+            positions=pos,
             kv_cache=kv_cache,
             slot_mapping=slots,
             block_tables=tables,
         )
-        logits, hidden = step_fn(tokens, hidden, meta, step)
+        with attention_context(meta):
+            logits, hidden = step_fn(tokens, hidden, pos, step)
         tokens, step_probs = choose_tokens(logits, [params[i] for i in active], sample)
-        for j, i in enumerate(active):
-            drafts[i].append(int(tokens[j]))
-            if step_probs is not None and probs[i]:
-                probs[i].append(step_probs[j])
+        row = torch.full((n,), -1, dtype=tokens.dtype, device=device)
+        row[active] = tokens
+        passes.append(row)
+        if step_probs is not None:
+            for j, i in enumerate(active):
+                if probs[i]:
+                    probs[i].append(step_probs[j])
+    table = torch.stack(passes, dim=1).tolist()  # [n, passes]: the chain's one transfer
+    drafts = [[t for t in r if t >= 0] for r in table]
     return drafts, [
         torch.stack(p) if p and len(p) == len(d) else None
         for p, d in zip(probs, drafts, strict=True)

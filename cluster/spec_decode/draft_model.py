@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cluster.models.attention import AttentionMetadata, KVCache
+from cluster.models.attention import AttentionMetadata, KVCache, attention_context
 from cluster.spec_decode.batch import DraftProposal, ProposalBatch
 from cluster.spec_decode.chain import choose_tokens, run_chain
 
@@ -67,7 +67,8 @@ class DraftModelProposer:
             slot_mapping=tensor(slots),
             block_tables=batch.block_tables,
         )
-        hidden = self.model(tensor(ids), meta)
+        with attention_context(meta):
+            hidden = self.model(tensor(ids), meta.positions)
         result = DraftProposal([[] for _ in batch.sampled], [None] * len(batch.sampled))
         k = self.k if batch.num_drafts is None else min(self.k, batch.num_drafts)
         drafting = [i for i, s in enumerate(batch.sampled) if s and batch.num_valid[i]]
@@ -79,15 +80,15 @@ class DraftModelProposer:
             self.model.compute_logits(hidden[last_rows]), params, self.sample
         )
 
-        def step_fn(tokens, hidden, meta, step):
-            return self.model.compute_logits(self.model(tokens, meta)), None
+        def step_fn(tokens, hidden, positions, step):
+            return self.model.compute_logits(self.model(tokens, positions)), None
 
         drafts, draft_probs = run_chain(
             step_fn,
             tokens,
             probs,
             None,
-            meta.positions[last_rows],
+            [positions[starts[i + 1] - 1] for i in drafting],
             batch.block_tables[drafting],
             [batch.num_blocks[i] for i in drafting],
             self.block_size,

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from cluster.models.attention import AttentionMetadata, KVCache
+from cluster.models.attention import AttentionMetadata, KVCache, attention_context
+from cluster.models.compiled import CompiledForward, CompileOptions
 from cluster.models.draft_base import DraftModel
 from cluster.spec_decode.batch import DraftProposal, ProposalBatch
 from cluster.spec_decode.chain import choose_tokens, run_chain
@@ -43,12 +44,45 @@ class EagleProposer:
         block_size: int,
         num_speculative_tokens: int,
         sample: bool,
+        compile_options: CompileOptions | None = None,
     ) -> None:
         self.draft = draft
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.k = num_speculative_tokens
         self.sample = sample
+        # The draft's forward per kind of pass (an MTP head with several layers uses layer
+        # `step % n` at pass `step`), compiled per token-count bucket when asked.
+        self.forwards = []
+        for kind in range(draft.num_step_kinds):
+
+            def forward(ids, hidden, positions, kind=kind):
+                return self.draft(ids, hidden, positions, kind)
+
+            if compile_options is not None:
+                device = self.draft.state.device
+                forward = CompiledForward(forward, compile_options, device, f"draft pass {kind}")
+            self.forwards.append(forward)
+
+    def _forward(
+        self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.forwards[step % len(self.forwards)](ids, hidden, positions)
+
+    def warm_up(self) -> float:
+        """Compile the draft's buckets now; returns the seconds it took."""
+        seconds = 0.0
+        device, hidden = self.draft.state.device, int(self.draft.config.hidden_size)
+        dtype = next(self.draft.parameters()).dtype
+
+        def example(n: int) -> tuple[torch.Tensor, ...]:
+            ids = torch.zeros(n, dtype=torch.int64, device=device)
+            return ids, torch.zeros(n, hidden, dtype=dtype, device=device), torch.arange(n)
+
+        for forward in self.forwards:
+            if isinstance(forward, CompiledForward):
+                seconds += forward.warm_up(example)
+        return seconds
 
     @torch.inference_mode()
     def propose(self, batch: ProposalBatch) -> DraftProposal:
@@ -66,7 +100,8 @@ class EagleProposer:
             block_tables=batch.block_tables,
         )
         hidden = self.draft.combine_target_hidden(batch.target_hidden[index])  # [m, H]
-        logits_hidden, next_hidden = self.draft(ids, hidden, meta, 0)
+        with attention_context(meta):
+            logits_hidden, next_hidden = self._forward(ids, hidden, meta.positions, 0)
 
         k = self.k if batch.num_drafts is None else min(self.k, batch.num_drafts)
         drafting = [i for i, s in enumerate(batch.sampled) if s and batch.num_valid[i]]
@@ -78,8 +113,8 @@ class EagleProposer:
         logits = self.draft.compute_logits(logits_hidden[last_rows], 0)
         tokens, probs = choose_tokens(logits, params, self.sample)
 
-        def step_fn(tokens, hidden, meta, step):
-            logits_hidden, next_hidden = self.draft(tokens, hidden, meta, step)
+        def step_fn(tokens, hidden, positions, step):
+            logits_hidden, next_hidden = self._forward(tokens, hidden, positions, step)
             return self.draft.compute_logits(logits_hidden, step), next_hidden
 
         drafts, draft_probs = run_chain(
@@ -87,7 +122,7 @@ class EagleProposer:
             tokens,
             probs,
             next_hidden[last_rows],
-            meta.positions[last_rows],
+            [batch.num_computed[i] + batch.num_valid[i] - 1 for i in drafting],
             batch.block_tables[drafting],
             [batch.num_blocks[i] for i in drafting],
             self.block_size,

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from cluster.config import ModelConfig
-from cluster.models.attention import AttentionMetadata
+from cluster.models.attention import AttentionMetadata, attention_context
 from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
 
@@ -130,7 +130,9 @@ def _aux_states(
     lens = [len(s.token_ids) for s in group]
     ids = torch.tensor([t for s in group for t in s.token_ids])
     meta = AttentionMetadata.for_prefill(lens)
+    with attention_context(meta):
+        out = model(ids, meta.positions, aux_layers)
     if not aux_layers:
-        return list(model(ids, meta).half().split(lens))
-    _, aux = model(ids, meta, aux_layers)
+        return list(out.half().split(lens))
+    _, aux = out
     return list(torch.cat(aux, dim=-1).half().split(lens))

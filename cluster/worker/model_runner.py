@@ -24,6 +24,8 @@ from cluster.engine.messages import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from cluster.models.attention import attention_context
+from cluster.models.compiled import CompiledForward, CompileOptions
 from cluster.parallel import ParallelState
 from cluster.parallel.pipeline import StageActivations
 from cluster.sample import (
@@ -66,6 +68,7 @@ class ModelRunner:
         aux_hidden_layers: tuple[int, ...] = (),
         sampler_backend: str = "auto",
         state: ParallelState | None = None,
+        compile_options: CompileOptions | None = None,
     ) -> None:
         self.model = model
         self.state = state or ParallelState.single(device)
@@ -80,11 +83,49 @@ class ModelRunner:
         # Activations from earlier stages carry the aux states of the layers they ran.
         start = getattr(getattr(model, "model", None), "start_layer", 0)
         self.num_aux_from_earlier_stages = len({i for i in aux_hidden_layers if i < start})
+        # The target's forward over rows (input_ids, positions[, hidden, residual, *aux]),
+        # compiled per token-count bucket when asked.
+        self.target_forward = self._target_rows
+        if compile_options is not None:
+            self.target_forward = CompiledForward(
+                self._target_rows, compile_options, device, "target"
+            )
         # Cumulative timings (the pipeline benchmark's stage idle fraction).
         self.num_steps = 0
         self.step_s = 0.0
         self.recv_wait_s = 0.0
         self.send_wait_s = 0.0
+
+    def _target_rows(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, *stage_rows: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]] | StageActivations:
+        intermediate = None
+        if stage_rows:  # [num_tokens, hidden] each: hidden, residual, *aux of earlier stages
+            hidden, residual, *aux = stage_rows
+            intermediate = StageActivations(hidden, residual, list(aux))
+        return self.model(input_ids, positions, self.aux_hidden_layers, intermediate)
+
+    def warm_up(self) -> float:
+        """Compile every bucket of the target's and the draft's forward now; returns the
+        seconds it took (0 when nothing is compiled)."""
+        seconds = 0.0
+        if isinstance(self.target_forward, CompiledForward):
+            hidden = int(self.model.config.hidden_size)
+            num_stage_rows = (
+                0 if self.state.is_first_stage else 2 + self.num_aux_from_earlier_stages
+            )
+            dtype = self.kv_cache.dtype
+
+            def example(n: int) -> tuple[torch.Tensor, ...]:
+                ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+                positions = torch.arange(n, device=self.device)
+                rows = [torch.zeros(n, hidden, dtype=dtype, device=self.device)] * num_stage_rows
+                return (ids, positions, *rows)
+
+            seconds += self.target_forward.warm_up(example)
+        if self.proposer is not None and hasattr(self.proposer, "warm_up"):
+            seconds += self.proposer.warm_up()
+        return seconds
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.freed_req_ids:
@@ -119,7 +160,7 @@ class ModelRunner:
         block_tables = {s.req_id: self.requests[s.req_id].block_ids for s in so.scheduled}
         inputs = prepare_inputs(so.scheduled, block_tables, self.kv_cache.block_size, self.device)
         inputs.meta.kv_cache = self.kv_cache
-        intermediate = None
+        stage_rows: list[torch.Tensor] = []
         if not self.state.is_first_stage:
             wait_start = time.perf_counter()
             intermediate = StageActivations.recv_from_previous_stage(
@@ -130,7 +171,9 @@ class ModelRunner:
                 dtype=self.kv_cache.dtype,
             )
             self.recv_wait_s += time.perf_counter() - wait_start
-        out = self.model(inputs.input_ids, inputs.meta, self.aux_hidden_layers, intermediate)
+            stage_rows = [intermediate.hidden, intermediate.residual, *intermediate.aux]
+        with attention_context(inputs.meta):
+            out = self.target_forward(inputs.input_ids, inputs.meta.positions, *stage_rows)
         if not self.state.is_last_stage:
             send_start = time.perf_counter()
             out.send_to_next_stage(self.state)

@@ -8,12 +8,16 @@ scheduler outputs travel.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 
 import torch
 from torch import nn
 
 from cluster.config import EngineConfig, ModelConfig
 from cluster.engine.messages import SchedulerOutput
+from cluster.models.compiled import CompileOptions
+from cluster.models.default_model import cache_dir
 from cluster.models.eagle3 import eagle3_aux_layers
 from cluster.models.loader import load_draft_head, load_model
 from cluster.parallel import ParallelState, destroy_parallel_state, init_parallel_state
@@ -22,6 +26,8 @@ from cluster.spec_decode.eagle import EagleProposer
 from cluster.spec_decode.ngram import NgramProposer
 from cluster.worker.kv_cache import LayerShape, PagedKVCache
 from cluster.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 def attention_layer_shapes(model: nn.Module) -> list[LayerShape]:
@@ -117,19 +123,42 @@ class Worker:
             first_layer_idx=self.model.model.start_layer,
         )
         spec = self.config.speculative
+        compile_options = self._compile_options()
         proposer = None
         if spec is not None and self.state.is_last_stage:
             k, sample = spec.num_speculative_tokens, spec.draft_sampling == "sample"
             if self.draft_head is not None:
-                proposer = EagleProposer(self.draft_head, kv_cache, block_size, k, sample)
+                proposer = EagleProposer(
+                    self.draft_head, kv_cache, block_size, k, sample, compile_options
+                )
             elif self.draft_lm is not None:
                 draft_kv = PagedKVCache(draft_lm_shapes, num_blocks, block_size, dtype, device)
                 proposer = DraftModelProposer(self.draft_lm, draft_kv, block_size, k, sample)
             else:
                 proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.runner = ModelRunner(
-            self.model, kv_cache, device, proposer, self.aux_hidden_layers, state=self.state
+            self.model,
+            kv_cache,
+            device,
+            proposer,
+            self.aux_hidden_layers,
+            state=self.state,
+            compile_options=compile_options,
         )
+        if compile_options is not None:
+            seconds = self.runner.warm_up()
+            logger.info(
+                "compiled the forwards for %s tokens in %.1f s", compile_options.sizes, seconds
+            )
+
+    def _compile_options(self) -> CompileOptions | None:
+        """The compile settings of this engine, or None when it runs eagerly. Compiled
+        artefacts are cached on disk under the cluster cache folder unless inductor's own
+        `TORCHINDUCTOR_CACHE_DIR` says otherwise."""
+        if not self.config.compiles:
+            return None
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), "inductor"))
+        return CompileOptions(self.config.compile.sizes, self.config.compile.autotune)
 
     def execute_model(self, payload: bytes) -> bytes | None:
         if self.runner is None:

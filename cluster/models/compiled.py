@@ -1,0 +1,137 @@
+"""A compiled forward: one torch.compile graph per token-count bucket, eager elsewhere.
+
+A forward with `n` tokens runs the graph of the smallest bucket `>= n`, its inputs padded
+with zero rows and its outputs cut back to `n` rows; above the largest bucket (long
+prefill chunks, where the matrix products are large enough to run well eagerly) and for
+any bucket whose compilation failed, it runs the eager module. The padding rows attend to
+nothing and write no KV (`cluster.models.attention`), and every other op of a decoder
+works row by row, so the real rows are those of an eager forward up to the kernels'
+rounding.
+
+CPU: inductor with frozen weights (constants folded, weights prepacked for the chosen GEMM
+kernels); `max-autotune` lets inductor time its C++ GEMM templates against the BLAS calls
+per shape. CUDA: the same buckets are captured as CUDA graphs (`reduce-overhead`); that
+path shares the bucket logic with the CPU one but has not run on a GPU yet. Compiled
+artefacts go to inductor's on-disk caches (`TORCHINDUCTOR_CACHE_DIR`, which the engine
+points under its cache folder), so a second start with the same model and buckets reuses
+them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cluster.models.attention import AttentionMetadata, attention_context
+from cluster.parallel.pipeline import StageActivations
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    sizes: tuple[int, ...]  # token-count buckets, ascending
+    autotune: bool = True  # CPU: let inductor time its GEMM templates (slower to compile)
+
+
+def bucket_for(num_tokens: int, sizes: Sequence[int]) -> int | None:
+    """The smallest bucket that holds `num_tokens` rows; None above the largest."""
+    i = bisect.bisect_left(sizes, num_tokens)
+    return sizes[i] if i < len(sizes) else None
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` ([n, ...]) with zero rows appended up to `rows`."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+
+
+def cut_rows(out: Any, n: int) -> Any:
+    """The first `n` rows of every tensor in a forward's output."""
+    if isinstance(out, torch.Tensor):
+        return out[:n]
+    if isinstance(out, StageActivations):
+        return StageActivations(out.hidden[:n], out.residual[:n], [a[:n] for a in out.aux])
+    if isinstance(out, (list, tuple)):
+        return type(out)(cut_rows(o, n) for o in out)
+    return out
+
+
+def compile_kwargs(device: torch.device, autotune: bool) -> dict[str, Any]:
+    """torch.compile's arguments: CUDA graphs per bucket on CUDA; frozen weights on CPU."""
+    if device.type == "cuda":
+        return {"mode": "reduce-overhead"}
+    return {"options": {"freezing": True, "max_autotune": autotune}}
+
+
+class CompiledForward:
+    """Wraps `fn(*rows)`, where every argument is a tensor whose first dim is the token
+    count, with one compiled graph per bucket of `options.sizes`."""
+
+    def __init__(
+        self, fn: Callable[..., Any], options: CompileOptions, device: torch.device, name: str
+    ) -> None:
+        if list(options.sizes) != sorted(set(options.sizes)) or options.sizes[0] < 1:
+            raise ValueError(f"compile sizes must be ascending positive ints, got {options.sizes}")
+        self.fn = fn
+        self.options = options
+        self.name = name
+        self.device = device
+        self._compiled = torch.compile(
+            fn,
+            fullgraph=True,
+            dynamic=False,
+            **compile_kwargs(device, options.autotune),
+        )
+        self.ready: set[int] = set()  # buckets that compiled
+        self.failed: set[int] = set()
+        # One graph per bucket of the same function: dynamo's per-function limit must allow
+        # them all (a process-wide setting that is only ever raised here).
+        limit = 2 * len(options.sizes) + 8
+        if torch._dynamo.config.recompile_limit < limit:
+            torch._dynamo.config.recompile_limit = limit
+
+    def warm_up(self, example: Callable[[int], tuple[torch.Tensor, ...]]) -> float:
+        """Compile every bucket now (`example(rows)` builds inputs with that many rows);
+        returns the seconds it took. A bucket that fails is logged once and runs eagerly."""
+        from tqdm.auto import tqdm
+
+        start = time.perf_counter()
+        for size in tqdm(self.options.sizes, desc=f"Compiling {self.name}", unit="bucket"):
+            with attention_context(AttentionMetadata.for_prefill([size], self.device)):
+                self._run_bucket(size, example(size))
+        return time.perf_counter() - start
+
+    def _run_bucket(self, size: int, args: tuple[torch.Tensor, ...]) -> Any:
+        try:
+            out = self._compiled(*args)
+        except Exception as exc:  # anything the compiler cannot handle runs eagerly
+            self.failed.add(size)
+            logger.warning(
+                "%s: compiling the %d-token bucket failed, it runs eagerly (%s: %s)",
+                self.name,
+                size,
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
+            return self.fn(*args)
+        self.ready.add(size)
+        return out
+
+    def __call__(self, *rows: torch.Tensor) -> Any:
+        n = rows[0].shape[0]
+        size = bucket_for(n, self.options.sizes)
+        if size is None or size in self.failed:
+            return self.fn(*rows)
+        if size in self.ready:
+            out = self._compiled(*(pad_rows(x, size) for x in rows))
+        else:
+            out = self._run_bucket(size, tuple(pad_rows(x, size) for x in rows))
+        return cut_rows(out, n)
