@@ -1,12 +1,16 @@
-"""Target forward latency: ours against transformers on the same weights, dtype and machine.
+"""Target forward latency: ours (eager and compiled) against transformers on the same
+weights, dtype and machine, and against the memory roofline.
 
-Two shapes per token count N:
+Three shapes per token count N:
 - prefill: one sequence of N new tokens;
-- decode: N sequences, one new token each, over a cached context of `--context` tokens.
-Prints a markdown table with the median latency of each and the ratio (transformers / ours;
-above 1 means we are faster).
+- decode: N sequences, one new token each, over a cached context of `--context` tokens;
+- verify: one sequence with N new tokens over that cached context (a verification step
+  of N - 1 drafts).
+Every side of a row is timed interleaved (A, B, C, C, B, A, ...) and reported as a median.
+The roofline is the time to read every weight once at the read bandwidth measured in the
+same run (a BLAS matrix-vector product over a buffer the size of the weights).
 
-    python benchmarks/forward.py [--model PATH] [--tokens 1 4 16 64] [--dtype float32]
+    python benchmarks/forward.py [--model PATH] [--tokens 1 4 16 64] [--no-compile]
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from cluster.config import ModelConfig
-from cluster.models.attention import AttentionMetadata
+from cluster.models.attention import AttentionMetadata, attention_context
+from cluster.models.compiled import CompiledForward, CompileOptions
 from cluster.models.default_model import ensure_default_model
 from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
@@ -31,18 +36,30 @@ from cluster.worker.worker import attention_layer_shapes
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renames past_key_values
 
 
-def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+def interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median ms of each function, run in alternating order (A B C, C B A, ...)."""
+    names = list(fns)
+    for name in names:  # warm-up
+        fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else reversed(names):
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 
-@torch.no_grad()
+def read_bandwidth_gbs(num_bytes: int, device: str, repeats: int = 7) -> float:
+    """GB/s of a matrix-vector product over `num_bytes` of float32 (the streaming roofline)."""
+    cols = 4096
+    matrix = torch.randn(num_bytes // 4 // cols, cols, device=device)
+    vec = torch.randn(cols, device=device)
+    ms = interleaved_ms({"mv": lambda: torch.mv(matrix, vec)}, repeats)["mv"]
+    return num_bytes / ms / 1e6
+
+
+@torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -54,6 +71,7 @@ def main() -> None:
         "--context", type=int, default=64, help="cached tokens per sequence when decoding"
     )
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled column")
     args = parser.parse_args()
 
     path = args.model or ensure_default_model()
@@ -64,55 +82,104 @@ def main() -> None:
     cfg = ours.config
     vocab = cfg.vocab_size
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+    bandwidth = read_bandwidth_gbs(weight_bytes, device)
+    roofline_ms = weight_bytes / bandwidth / 1e6
 
-    def timed(fn: Callable[[], object]) -> float:
-        return median_ms(lambda: (fn(), sync()), args.repeats)
+    def eager(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return ours.compute_logits(ours(ids, positions))
 
-    print(f"model={path} dtype={args.dtype} device={device} threads={torch.get_num_threads()}\n")
-    print("| shape | tokens | ours (ms) | transformers (ms) | ratio hf/ours |")
-    print("|---|---:|---:|---:|---:|")
+    compiled = None
+    if not args.no_compile:
+        compiled = CompiledForward(
+            eager, CompileOptions(tuple(sorted(set(args.tokens)))), torch.device(device), "forward"
+        )
+        seconds = compiled.warm_up(lambda n: (torch.zeros(n, dtype=torch.int64), torch.arange(n)))
+        print(f"compiled {len(args.tokens)} buckets in {seconds:.1f} s")
+
+    print(
+        f"model={path} dtype={args.dtype} device={device} threads={torch.get_num_threads()} "
+        f"weights={weight_bytes / 1e6:.0f} MB read bandwidth={bandwidth:.1f} GB/s "
+        f"roofline={roofline_ms:.2f} ms\n"
+    )
+    print(
+        "| shape | tokens | eager (ms) | compiled (ms) | transformers (ms) | hf / compiled "
+        "| compiled / roofline |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+
+    def row(shape: str, n: int, meta: AttentionMetadata, ids: torch.Tensor, hf_fn) -> None:
+        def ours_fn(fn: Callable) -> Callable[[], object]:
+            def run() -> object:
+                with attention_context(meta):
+                    out = fn(ids, meta.positions)
+                sync()
+                return out
+
+            return run
+
+        fns = {"eager": ours_fn(eager), "hf": lambda: (hf_fn(), sync())}
+        if compiled is not None:
+            fns["compiled"] = ours_fn(compiled)
+        ms = interleaved_ms(fns, args.repeats)
+        best = ms.get("compiled", ms["eager"])
+        comp = f"{ms['compiled']:.2f}" if "compiled" in ms else "-"
+        print(
+            f"| {shape} | {n} | {ms['eager']:.2f} | {comp} | {ms['hf']:.2f} | "
+            f"{ms['hf'] / best:.2f} | {best / roofline_ms:.2f} |"
+        )
+
     for n in args.tokens:
         ids = torch.randint(0, vocab, (n,), device=device)
-        meta = AttentionMetadata.for_prefill([n], device)
-        t_ours = timed(lambda ids=ids, meta=meta: ours.compute_logits(ours(ids, meta)))
-        t_hf = timed(lambda ids=ids: hf(ids[None]).logits)
-        print(f"| prefill | {n} | {t_ours:.2f} | {t_hf:.2f} | {t_hf / t_ours:.2f} |")
+        row(
+            "prefill",
+            n,
+            AttentionMetadata.for_prefill([n], device),
+            ids,
+            lambda ids=ids: hf(ids[None]).logits,
+        )
 
     ctx = args.context
-    for n in args.tokens:
-        prompt = torch.randint(0, vocab, (n, ctx), device=device)
-        step = torch.randint(0, vocab, (n,), device=device)
-        # The engine's paged KV cache, one block table per sequence.
-        blocks_per_seq = -(-(ctx + 1) // 16)
-        cache = PagedKVCache(
-            attention_layer_shapes(ours), n * blocks_per_seq, 16, config.torch_dtype, device
-        )
-        tables = torch.arange(n * blocks_per_seq, device=device).view(n, blocks_per_seq)
-        pos = torch.arange(ctx, device=device)
-        slots = (tables[:, pos // 16] * 16 + pos % 16).flatten()
-        prefill = AttentionMetadata.for_prefill([ctx] * n, device)
-        prefill.kv_cache, prefill.slot_mapping, prefill.block_tables = cache, slots, tables
-        ours(prompt.flatten(), prefill)
-        decode = AttentionMetadata(
-            list(range(n + 1)),
-            [ctx + 1] * n,
-            torch.full((n,), ctx, device=device),
-            cache,
-            slot_mapping=tables[:, ctx // 16] * 16 + ctx % 16,
-            block_tables=tables,
-        )
-        t_ours = timed(lambda step=step, decode=decode: ours.compute_logits(ours(step, decode)))
+    for shape in ("decode", "verify"):
+        for n in args.tokens:
+            num_seqs, new = (n, 1) if shape == "decode" else (1, n)
+            prompt = torch.randint(0, vocab, (num_seqs, ctx), device=device)
+            step = torch.randint(0, vocab, (num_seqs, new), device=device)
+            # The engine's paged KV cache, one block table per sequence.
+            blocks_per_seq = -(-(ctx + new) // 16)
+            cache = PagedKVCache(
+                attention_layer_shapes(ours),
+                num_seqs * blocks_per_seq,
+                16,
+                config.torch_dtype,
+                device,
+            )
+            tables = torch.arange(num_seqs * blocks_per_seq, device=device).view(num_seqs, -1)
+            pos = torch.arange(ctx, device=device)
+            prefill = AttentionMetadata.for_prefill([ctx] * num_seqs, device)
+            prefill.kv_cache, prefill.block_tables = cache, tables
+            prefill.slot_mapping = (tables[:, pos // 16] * 16 + pos % 16).flatten()
+            with attention_context(prefill):
+                ours(prompt.flatten(), prefill.positions)
+            new_pos = torch.arange(ctx, ctx + new, device=device)
+            meta = AttentionMetadata(
+                [i * new for i in range(num_seqs + 1)],
+                [ctx + new] * num_seqs,
+                new_pos.repeat(num_seqs),
+                cache,
+                slot_mapping=(tables[:, new_pos // 16] * 16 + new_pos % 16).flatten(),
+                block_tables=tables,
+            )
+            past = DynamicCache()
+            hf(prompt, past_key_values=past, use_cache=True)
 
-        past = DynamicCache()
-        hf(prompt, past_key_values=past, use_cache=True)
+            def hf_step(step=step, past=past, new=new) -> torch.Tensor:
+                logits = hf(step, past_key_values=past, use_cache=True).logits
+                past.crop(-new)  # every step sees the same context
+                return logits
 
-        def hf_decode(step=step, past=past) -> torch.Tensor:
-            logits = hf(step[:, None], past_key_values=past, use_cache=True).logits
-            past.crop(-1)  # drop the token just added, so every step sees the same context
-            return logits
-
-        t_hf = timed(hf_decode)
-        print(f"| decode (ctx {ctx}) | {n} | {t_ours:.2f} | {t_hf:.2f} | {t_hf / t_ours:.2f} |")
+            label = f"{shape} (ctx {ctx})"
+            row(label, n, meta, step.flatten(), hf_step)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 - decode tokens/s at batch 1 (one prompt, `--new-tokens` tokens, greedy, ignore_eos);
 - generation throughput for `--num-requests` chat requests (ours: continuous batching;
   transformers: one left-padded batch through `generate`).
-Prints a markdown table with the ratio ours / transformers (above 1: we are faster).
+Ours runs eagerly and compiled (`compile="on"`, default buckets); every side is timed
+interleaved over `--repeats` rounds and reported as a median. Prints a markdown table with
+the ratios ours / transformers (above 1: we are faster).
 
     python benchmarks/throughput.py [--model PATH] [--dtype float32] [--num-requests 64]
 """
@@ -11,8 +13,10 @@ Prints a markdown table with the ratio ours / transformers (above 1: we are fast
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -77,6 +81,15 @@ def ours_generate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def interleaved(fns: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    """Median seconds of each side, run in alternating order (A B C, C B A, ...)."""
+    names, times = list(fns), {name: [] for name in fns}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else reversed(names):
+            times[name].append(fns[name]())
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -86,44 +99,60 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--batch-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=512, max_num_seqs=args.num_requests)
-    path = llm.config.model.path
-    device = llm.config.model.resolved_device
+    engine = dict(dtype=args.dtype, max_model_len=512, max_num_seqs=args.num_requests)
+    eager = LLM(args.model, compile="off", **engine)
+    compiled = LLM(args.model, compile="on", **engine)
+    path = eager.config.model.path
+    device = eager.config.model.resolved_device
     hf = (
-        AutoModelForCausalLM.from_pretrained(path, dtype=llm.config.model.torch_dtype)
+        AutoModelForCausalLM.from_pretrained(path, dtype=eager.config.model.torch_dtype)
         .to(device)
         .eval()
     )
-    tokenizer = llm.get_tokenizer()
+    tokenizer = eager.get_tokenizer()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     one = chat_prompts(tokenizer, 1)
-    ours_generate(llm, one, 4)  # warm-up
-    hf_generate(hf, one, 4, pad_id)
-    rows = []
-    t_ours = ours_generate(llm, one, args.new_tokens)
-    t_hf = hf_generate(hf, one, args.new_tokens, pad_id)
-    rows.append(("decode, batch 1", args.new_tokens / t_ours, args.new_tokens / t_hf))
     many = chat_prompts(tokenizer, args.num_requests)
-    total = args.num_requests * args.batch_new_tokens
-    t_ours = ours_generate(llm, many, args.batch_new_tokens)
-    t_hf = hf_generate(hf, many, args.batch_new_tokens, pad_id)
-    rows.append(
+    rows = []
+    for name, prompts, new in (
+        ("decode, batch 1", one, args.new_tokens),
         (
             f"{args.num_requests} requests x {args.batch_new_tokens} tokens",
-            total / t_ours,
-            total / t_hf,
+            many,
+            args.batch_new_tokens,
+        ),
+    ):
+        ours_generate(eager, prompts[:1], 4)  # warm-up
+        ours_generate(compiled, prompts[:1], 4)
+        hf_generate(hf, prompts[:1], 4, pad_id)
+        seconds = interleaved(
+            {
+                "eager": lambda p=prompts, n=new: ours_generate(eager, p, n),
+                "compiled": lambda p=prompts, n=new: ours_generate(compiled, p, n),
+                "hf": lambda p=prompts, n=new: hf_generate(hf, p, n, pad_id),
+            },
+            args.repeats,
         )
-    )
+        total = len(prompts) * new
+        rows.append((name, *(total / seconds[k] for k in ("eager", "compiled", "hf"))))
 
     print(f"model={path} dtype={args.dtype} device={device} threads={torch.get_num_threads()}\n")
-    print("| workload | ours (tokens/s) | transformers generate (tokens/s) | ratio |")
-    print("|---|---:|---:|---:|")
-    for name, ours, theirs in rows:
-        print(f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} |")
-    llm.shutdown()
+    print(
+        "| workload | ours eager (tok/s) | ours compiled (tok/s) | transformers generate "
+        "(tok/s) | compiled / transformers | eager / transformers |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, ours_eager, ours_compiled, theirs in rows:
+        print(
+            f"| {name} | {ours_eager:.1f} | {ours_compiled:.1f} | {theirs:.1f} | "
+            f"{ours_compiled / theirs:.2f} | {ours_eager / theirs:.2f} |"
+        )
+    eager.shutdown()
+    compiled.shutdown()
 
 
 if __name__ == "__main__":

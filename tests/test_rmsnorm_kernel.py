@@ -14,7 +14,10 @@ def test_triton_equals_reference(hidden, with_residual):
     weight = torch.randn(hidden, generator=g)
     residual = torch.randn(13, hidden, generator=g) if with_residual else None
     want = rms_norm_ref(x, weight, 1e-5, residual)
-    got = rms_norm_triton(x, weight, 1e-5, residual)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
+    on = (lambda t: t.to(device)) if device == "cuda" else (lambda t: t)
+    got = rms_norm_triton(on(x), on(weight), 1e-5, None if residual is None else on(residual))
+    got = tuple(t.cpu() for t in got) if with_residual else got.cpu()
     if with_residual:
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)  # the sum is exact

@@ -91,9 +91,18 @@ class Eagle3Llama(DraftModel):
     def compute_logits(self, logits_hidden: torch.Tensor, step: int) -> torch.Tensor:
         """Draft-vocabulary logits scattered into the target vocabulary (-inf elsewhere)."""
         draft_logits = self.lm_head(logits_hidden)  # [n, draft_vocab]
-        if self.draft_vocab_size == self.target_vocab_size and not self.d2t.any():
+        targets = self._target_ids()
+        if targets is None:
             return draft_logits
         out = draft_logits.new_full((draft_logits.shape[0], self.target_vocab_size), float("-inf"))
-        targets = self.draft_to_target(torch.arange(self.draft_vocab_size, device=out.device))
         out[:, targets] = draft_logits
         return out
+
+    def _target_ids(self) -> torch.Tensor | None:
+        """[draft_vocab] the target id of every draft id; None when they are the same ids.
+        Read from `d2t` once (the weights are loaded by the first call), not every pass."""
+        if not hasattr(self, "_targets"):
+            ids = torch.arange(self.draft_vocab_size, device=self.d2t.device)
+            identity = self.draft_vocab_size == self.target_vocab_size and not self.d2t.any()
+            self._targets = None if identity else self.draft_to_target(ids)
+        return self._targets

@@ -15,6 +15,7 @@ it has drafts, one uniform per draft and vocab exponentials.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ def rejection_sample(
     is_greedy: torch.Tensor,  # [batch] bool
     generators: Mapping[int, torch.Generator] | None = None,
     backend: str = "auto",
+    check_values: bool = True,
 ) -> torch.Tensor:
     """[batch, max(num_draft_tokens) + 1] int64 output tokens, -1 after the last one.
 
@@ -62,6 +64,7 @@ def rejection_sample(
         is_greedy,
         generators,
         backend,
+        check_values,
     )
     device = target_probs.device
     num_draft = list(num_draft_tokens)
@@ -101,10 +104,19 @@ class RejectionSamplerOutput:
 class RejectionSampler(nn.Module):
     """Verifies drafts against the target logits with each request's sampling parameters."""
 
-    def __init__(self, sampler: Sampler | None = None, backend: str = "auto") -> None:
+    def __init__(
+        self,
+        sampler: Sampler | None = None,
+        backend: str = "auto",
+        check_values: bool | None = None,
+    ) -> None:
         super().__init__()
         self.sampler = Sampler() if sampler is None else sampler
         self.backend = backend
+        # Scans of the probabilities' values (a host read each step): a debug aid.
+        if check_values is None:
+            check_values = os.environ.get("CLUSTER_DEBUG_CHECKS", "0") == "1"
+        self.check_values = check_values
 
     def forward(
         self,
@@ -137,6 +149,7 @@ class RejectionSampler(nn.Module):
             metadata.is_greedy,
             metadata.generators,
             self.backend,
+            self.check_values,
         )
 
         logprobs = None
