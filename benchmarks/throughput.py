@@ -103,8 +103,12 @@ def main() -> None:
     args = parser.parse_args()
 
     engine = dict(dtype=args.dtype, max_model_len=512, max_num_seqs=args.num_requests)
+    start = time.perf_counter()
     eager = LLM(args.model, compile="off", **engine)
+    eager_start_s = time.perf_counter() - start
+    start = time.perf_counter()
     compiled = LLM(args.model, compile="on", **engine)
+    compiled_start_s = time.perf_counter() - start
     path = eager.config.model.path
     device = eager.config.model.resolved_device
     hf = (
@@ -140,7 +144,11 @@ def main() -> None:
         total = len(prompts) * new
         rows.append((name, *(total / seconds[k] for k in ("eager", "compiled", "hf"))))
 
-    print(f"model={path} dtype={args.dtype} device={device} threads={torch.get_num_threads()}\n")
+    print(f"model={path} dtype={args.dtype} device={device} threads={torch.get_num_threads()}")
+    print(
+        f"start-up: eager {eager_start_s:.1f} s, compiled {compiled_start_s:.1f} s "
+        f"(buckets {compiled.config.compile.sizes}; a warm inductor cache makes this shorter)\n"
+    )
     print(
         "| workload | ours eager (tok/s) | ours compiled (tok/s) | transformers generate "
         "(tok/s) | compiled / transformers | eager / transformers |"

@@ -160,7 +160,12 @@ def test_compiled_smollm2_with_speculation_equals_transformers(smollm2_path):
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     chats = ["What is the capital of France?", "Write a haiku about rivers."]
     prompts = [
-        tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True)
+        tok.apply_chat_template(
+            [{"role": "user", "content": c}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
         for c in chats
     ]
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()

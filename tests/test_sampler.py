@@ -122,6 +122,17 @@ def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
     assert int(torch.isfinite(out).sum()) == kept
 
 
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-8])
+def test_a_top_p_too_small_for_float32_keeps_the_most_likely_token(top_p):
+    """5e-324 is a legal top_p that rounds to 0 in float32: it must leave the argmax, not
+    an empty distribution (which once made the rejection sampler kill the engine)."""
+    logits = torch.tensor([[0.1, 0.5, 0.3, 0.1]]).log()
+    out = processed(logits, [SamplingParams(temperature=1.0, top_p=top_p)])
+    assert torch.isfinite(out).tolist() == [[False, True, False, False]]
+    tokens = Sampler()(logits, metadata([SamplingParams(temperature=1.0, top_p=top_p)], 4))
+    assert tokens.token_ids.tolist() == [1]
+
+
 def test_min_p_drops_tokens_below_a_fraction_of_the_top():
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     out = processed(logits, [SamplingParams(min_p=0.31)])  # threshold 0.155

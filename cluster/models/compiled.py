@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,19 @@ def cut_rows(out: Any, n: int) -> Any:
     return out
 
 
+def private_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a function or bound method) on a copy of its code object. Dynamo keeps its
+    compiled graphs and its recompile budget per code object: with a private copy each
+    compiled forward has its own, which it frees with itself (an engine's frozen weights
+    are not kept alive by the next engine's graphs in the same process)."""
+    if isinstance(fn, types.MethodType):
+        return types.MethodType(private_copy(fn.__func__), fn.__self__)
+    code = fn.__code__.replace(co_name=fn.__code__.co_name)
+    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
 def compile_kwargs(device: torch.device, autotune: bool) -> dict[str, Any]:
     """torch.compile's arguments: CUDA graphs per bucket on CUDA; frozen weights on CPU."""
     if device.type == "cuda":
@@ -85,15 +99,15 @@ class CompiledForward:
         self.name = name
         self.device = device
         self._compiled = torch.compile(
-            fn,
+            private_copy(fn),
             fullgraph=True,
             dynamic=False,
             **compile_kwargs(device, options.autotune),
         )
         self.ready: set[int] = set()  # buckets that compiled
         self.failed: set[int] = set()
-        # One graph per bucket of the same function: dynamo's per-function limit must allow
-        # them all (a process-wide setting that is only ever raised here).
+        # One graph per bucket of the same code object: dynamo's per-code-object limit must
+        # allow them all (a process-wide setting that is only ever raised here).
         limit = 2 * len(options.sizes) + 8
         if torch._dynamo.config.recompile_limit < limit:
             torch._dynamo.config.recompile_limit = limit
@@ -110,12 +124,16 @@ class CompiledForward:
         return time.perf_counter() - start
 
     def _run_bucket(self, size: int, args: tuple[torch.Tensor, ...]) -> Any:
+        """The bucket's graph (compiling it the first time). If compiling or running it
+        fails, the bucket runs eagerly from then on; running again is safe, since a forward
+        only writes this step's keys and values, to the same slots."""
         try:
             out = self._compiled(*args)
         except Exception as exc:  # anything the compiler cannot handle runs eagerly
             self.failed.add(size)
+            self.ready.discard(size)
             logger.warning(
-                "%s: compiling the %d-token bucket failed, it runs eagerly (%s: %s)",
+                "%s: the compiled %d-token bucket failed, it runs eagerly (%s: %s)",
                 self.name,
                 size,
                 type(exc).__name__,
@@ -130,8 +148,5 @@ class CompiledForward:
         size = bucket_for(n, self.options.sizes)
         if size is None or size in self.failed:
             return self.fn(*rows)
-        if size in self.ready:
-            out = self._compiled(*(pad_rows(x, size) for x in rows))
-        else:
-            out = self._run_bucket(size, tuple(pad_rows(x, size) for x in rows))
+        out = self._run_bucket(size, tuple(pad_rows(x, size) for x in rows))
         return cut_rows(out, n)

@@ -104,5 +104,7 @@ def apply_top_k_top_p(
     probs = ordered.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
     drop = (mass_before >= p[:, None]) & (p < 1)[:, None]
+    drop[:, 0] = False  # the most likely token always stays (a top_p below float32's
+    # smallest value rounds to 0, which would drop every token and leave no distribution)
     ordered = ordered.masked_fill(drop, float("-inf"))
     logits.index_copy_(0, selected, torch.empty_like(ordered).scatter_(1, order, ordered))
