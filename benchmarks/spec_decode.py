@@ -57,9 +57,11 @@ def main() -> None:
     parser.add_argument("--head", default=None, help="a trained EAGLE-3 head folder")
     parser.add_argument("--prompts", choices=["builtin", "heldout"], default="builtin")
     parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
     args = parser.parse_args()
 
     path = args.model or ensure_default_model()
+    print(f"compile={args.compile}")
     specs = write_all(tempfile.mkdtemp(prefix="random-heads-"), path, seed=0)
     if args.head:
         specs["eagle3-trained"] = {"method": "eagle3", "model": args.head}
@@ -67,7 +69,9 @@ def main() -> None:
     questions = QUESTIONS
     if args.prompts == "heldout":
         questions = build_prompts()[1][: args.num_prompts]
-    engine = dict(dtype="float32", max_model_len=512, max_num_seqs=max(args.batches))
+    engine = dict(
+        dtype="float32", max_model_len=512, max_num_seqs=max(args.batches), compile=args.compile
+    )
     rows = []
     with LLM(path, **engine) as llm:
         tokenizer = llm.get_tokenizer()

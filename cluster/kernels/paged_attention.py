@@ -48,8 +48,10 @@ class AttentionPlan:
     long: list[int]  # sequences run one by one
     query_rows: torch.Tensor | None  # [n, max_q] token row of each query (padding: row 0)
     out_rows: torch.Tensor | None  # [n * max_q] where each result goes (padding: num_tokens)
-    key_slots: torch.Tensor | None  # [n, max_len] cache slot of each key (padding: a real one)
+    key_slots: torch.Tensor | None  # [n * max_len] cache slot of each key (padding: a real one)
     mask: torch.Tensor | None  # [n, 1, max_q, max_len] keys each query may see
+    # Every sequence has one new token, in batch order: rows need no gathering or scattering.
+    one_token_each: bool = False
 
 
 def plan_paged_attention(
@@ -86,7 +88,10 @@ def plan_paged_attention(
     key_slots = torch.where(in_context, slots, slots[:, :1])  # never read a stale slot
     query_pos = lens[:, None] - q_lens[:, None] + j[None, :]  # [n, max_q]
     mask = (pos[None, None, :] <= query_pos[:, :, None]) & in_context[:, None, :]
-    return AttentionPlan(long, query_rows, out_rows, key_slots, mask[:, None])
+    one_token_each = max_q == 1 and len(batched) == num_seqs == num_tokens
+    return AttentionPlan(
+        long, query_rows, out_rows, key_slots.flatten(), mask[:, None], one_token_each
+    )
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -115,21 +120,25 @@ def paged_attention_ref(
     if plan is None:
         plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     num_tokens = q.shape[0]
-    out = q.new_empty(num_tokens + 1, *q.shape[1:])  # the last row takes the padding
     if plan.query_rows is not None:
-        flat_k = k_cache.view(-1, *k_cache.shape[2:])
-        flat_v = v_cache.view(-1, *v_cache.shape[2:])
-        keys = flat_k[plan.key_slots].transpose(1, 2)  # [n, kv_heads, max_len, head_dim]
-        values = flat_v[plan.key_slots].transpose(1, 2)
+        n, max_q = plan.query_rows.shape
+        kv_shape = (n, -1, *k_cache.shape[2:])  # [n, max_len, kv_heads, head_dim]
+        keys = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, plan.key_slots)
+        values = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, plan.key_slots)
+        queries = q[:, None] if plan.one_token_each else q[plan.query_rows]  # [n, max_q, H, D]
         o = F.scaled_dot_product_attention(
-            q[plan.query_rows].transpose(1, 2),  # [n, heads, max_q, head_dim]
-            keys,
-            values,
+            queries.transpose(1, 2),  # [n, heads, max_q, head_dim]
+            keys.view(kv_shape).transpose(1, 2),
+            values.view(kv_shape).transpose(1, 2),
             attn_mask=plan.mask,
             scale=scale,
             enable_gqa=True,
-        )
-        out.index_copy_(0, plan.out_rows, o.transpose(1, 2).flatten(0, 1))
+        ).transpose(1, 2)  # [n, max_q, heads, head_dim]
+        if plan.one_token_each:
+            return o.reshape(q.shape)
+    out = q.new_empty(num_tokens + 1, *q.shape[1:])  # the last row takes the padding
+    if plan.query_rows is not None:
+        out.index_copy_(0, plan.out_rows, o.flatten(0, 1))
     for i in plan.long:
         start, end = query_start_loc[i], query_start_loc[i + 1]
         seq_k = _gather_context(k_cache, block_tables[i], seq_lens[i])

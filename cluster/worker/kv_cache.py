@@ -13,9 +13,11 @@ import torch
 
 from cluster.kernels.paged_attention import (
     paged_attention,
+    paged_attention_ref,
     plan_paged_attention,
     use_triton,
     write_kv,
+    write_kv_ref,
 )
 from cluster.models.attention import AttentionMetadata
 
@@ -41,6 +43,8 @@ class PagedKVCache:
         shapes = [(num_blocks, block_size, heads, dim) for heads, dim in layer_shapes]
         self.k = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
         self.v = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
+        # The kernels are chosen once: "auto" is Triton on CUDA, torch elsewhere.
+        self.use_triton = use_triton(backend, torch.empty(0, device=device))
 
     @staticmethod
     def bytes_per_block(layer_shapes: list[LayerShape], block_size: int, dtype: torch.dtype) -> int:
@@ -59,23 +63,24 @@ class PagedKVCache:
             raise ValueError("PagedKVCache needs AttentionMetadata.slot_mapping and block_tables")
         index = layer_idx - self.first_layer_idx
         k_cache, v_cache = self.k[index], self.v[index]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=self.backend)
-        plan = None
-        if not use_triton(self.backend, q):  # index tensors shared by every layer of the step
-            plan = meta.cached(
-                "attention_plan",
-                lambda: plan_paged_attention(
-                    meta.block_tables, meta.seq_lens, meta.query_start_loc, self.block_size
-                ),
+        if self.use_triton:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend="triton")
+            return paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                scale,
+                backend="triton",
             )
-        return paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            scale,
-            backend=self.backend,
-            plan=plan,
+        plan = meta.derived.get("attention_plan")  # index tensors shared by every layer
+        if plan is None:
+            plan = meta.derived["attention_plan"] = plan_paged_attention(
+                meta.block_tables, meta.seq_lens, meta.query_start_loc, self.block_size
+            )
+        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention_ref(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, plan
         )
