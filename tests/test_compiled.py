@@ -147,7 +147,12 @@ def test_compiled_engine_equals_eager_on_a_tiny_model(tiny, spec):
             if mode == "on":
                 runner = llm.engine.core.executor.worker.runner
                 assert isinstance(runner.target_forward, CompiledForward)
-                assert runner.target_forward.ready and not runner.target_forward.failed
+                target = runner.target_forward
+                assert target.ready and not target.failed
+                assert target.num_guard_misses == 0  # warm-up built the graphs steps use
+                if spec == "eagle":
+                    drafts = runner.proposer.forwards
+                    assert all(d.ready and d.num_guard_misses == 0 for d in drafts)
     assert outputs["on"] == outputs["off"]
 
 

@@ -121,7 +121,7 @@ def paged_attention_ref(
         plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     num_tokens = q.shape[0]
     if plan.query_rows is not None:
-        n, max_q = plan.query_rows.shape
+        n = plan.query_rows.shape[0]
         kv_shape = (n, -1, *k_cache.shape[2:])  # [n, max_len, kv_heads, head_dim]
         keys = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, plan.key_slots)
         values = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, plan.key_slots)

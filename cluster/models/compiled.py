@@ -106,6 +106,7 @@ class CompiledForward:
         )
         self.ready: set[int] = set()  # buckets that compiled
         self.failed: set[int] = set()
+        self.num_guard_misses = 0  # calls whose built graph did not fit (0 once warmed up)
         # One graph per bucket of the same code object: dynamo's per-code-object limit must
         # allow them all (a process-wide setting that is only ever raised here).
         limit = 2 * len(options.sizes) + 8
@@ -119,7 +120,9 @@ class CompiledForward:
 
         start = time.perf_counter()
         for size in tqdm(self.options.sizes, desc=f"Compiling {self.name}", unit="bucket"):
-            with attention_context(AttentionMetadata.for_prefill([size], self.device)):
+            meta = AttentionMetadata.for_prefill([size], self.device)
+            # inference mode, as the engine's steps run (dynamo guards on it)
+            with torch.inference_mode(), attention_context(meta):
                 self._run_bucket(size, example(size))
         return time.perf_counter() - start
 
@@ -150,10 +153,12 @@ class CompiledForward:
             return self.fn(*rows)
         args = tuple(pad_rows(x, size) for x in rows)
         if size in self.ready:
-            # Once every graph exists, dynamo only needs the guards that tell the buckets
-            # apart (their input shapes): the full guard set costs ~0.6 ms a call.
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                out = self._run_bucket(size, args)
-        else:
-            out = self._run_bucket(size, args)
-        return cut_rows(out, n)
+            # Once a bucket's graph exists, dynamo only needs the guards that tell the
+            # buckets apart (their input shapes); the full set costs ~0.6 ms a call. Should
+            # anything else have changed, the bucket recompiles the ordinary way.
+            try:
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    return cut_rows(self._compiled(*args), n)
+            except Exception:
+                self.num_guard_misses += 1
+        return cut_rows(self._run_bucket(size, args), n)
