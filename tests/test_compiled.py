@@ -126,6 +126,16 @@ def tiny(tmp_path_factory, smollm2_path):
 
 @pytest.mark.parametrize("spec", [None, "eagle", "ngram"])
 def test_compiled_engine_equals_eager_on_a_tiny_model(tiny, spec):
+    compiled_equals_eager(tiny, spec, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", [None, "eagle"])
+def test_compiled_engine_with_cuda_graphs_equals_eager(tiny, spec):
+    compiled_equals_eager(tiny, spec, "cuda")
+
+
+def compiled_equals_eager(tiny, spec: str | None, device: str) -> None:
     path, eagle = tiny
     spec_config = None
     if spec == "eagle":
@@ -140,6 +150,7 @@ def test_compiled_engine_equals_eager_on_a_tiny_model(tiny, spec):
             compile=mode,
             compile_sizes=(1, 2, 4, 8, 16),
             compile_autotune=False,
+            device=device,
             **ENGINE,
         ) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)

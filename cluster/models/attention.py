@@ -176,7 +176,9 @@ def _attend(
     return out
 
 
-@torch.library.custom_op("cluster::attention", mutates_args=())
+# Opaque to the compiler, and never inside a captured CUDA graph: it reads the step's
+# metadata on the host each time it runs (inductor partitions the graph around it).
+@torch.library.custom_op("cluster::attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float
 ) -> torch.Tensor:

@@ -8,13 +8,14 @@ nothing and write no KV (`cluster.models.attention`), and every other op of a de
 works row by row, so the real rows are those of an eager forward up to the kernels'
 rounding.
 
-CPU: inductor with frozen weights (constants folded, weights prepacked for the chosen GEMM
-kernels); `max-autotune` lets inductor time its C++ GEMM templates against the BLAS calls
-per shape. CUDA: the same buckets are captured as CUDA graphs (`reduce-overhead`); that
-path shares the bucket logic with the CPU one but has not run on a GPU yet. Compiled
-artefacts go to inductor's on-disk caches (`TORCHINDUCTOR_CACHE_DIR`, which the engine
-points under its cache folder), so a second start with the same model and buckets reuses
-them.
+CPU: inductor with frozen weights (folded into the graph as constants); `max-autotune`
+lets inductor time its C++ GEMM templates against the BLAS calls per shape. CUDA: the same
+buckets, with inductor's CUDA graphs captured around the attention op (which is tagged
+unsafe for capture: it reads the step's metadata on the host), so everything between two
+attention calls replays as one graph; outputs are copied out of the graphs' memory pool.
+Compiled artefacts go to inductor's on-disk caches (`TORCHINDUCTOR_CACHE_DIR`, which the
+engine points under its cache folder), so a second start with the same model and buckets
+reuses them.
 """
 
 from __future__ import annotations
@@ -54,14 +55,15 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
 
 
-def cut_rows(out: Any, n: int) -> Any:
-    """The first `n` rows of every tensor in a forward's output."""
+def cut_rows(out: Any, n: int, copy: bool = False) -> Any:
+    """The first `n` rows of every tensor in a forward's output (`copy`: as new tensors)."""
     if isinstance(out, torch.Tensor):
-        return out[:n]
+        return out[:n].clone() if copy else out[:n]
     if isinstance(out, StageActivations):
-        return StageActivations(out.hidden[:n], out.residual[:n], [a[:n] for a in out.aux])
+        hidden, residual, *aux = cut_rows([out.hidden, out.residual, *out.aux], n, copy)
+        return StageActivations(hidden, residual, aux)
     if isinstance(out, (list, tuple)):
-        return type(out)(cut_rows(o, n) for o in out)
+        return type(out)(cut_rows(o, n, copy) for o in out)
     return out
 
 
@@ -79,9 +81,10 @@ def private_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def compile_kwargs(device: torch.device, autotune: bool) -> dict[str, Any]:
-    """torch.compile's arguments: CUDA graphs per bucket on CUDA; frozen weights on CPU."""
+    """torch.compile's arguments: CUDA graphs between the attention ops on CUDA; frozen
+    weights on CPU."""
     if device.type == "cuda":
-        return {"mode": "reduce-overhead"}
+        return {"options": {"triton.cudagraphs": True, "graph_partition": True}}
     return {"options": {"freezing": True, "max_autotune": autotune}}
 
 
@@ -107,6 +110,8 @@ class CompiledForward:
         self.ready: set[int] = set()  # buckets that compiled
         self.failed: set[int] = set()
         self.num_guard_misses = 0  # calls whose built graph did not fit (0 once warmed up)
+        # A CUDA graph's outputs live in its pool and the next replay overwrites them.
+        self.copy_outputs = device.type == "cuda"
         # One graph per bucket of the same code object: dynamo's per-code-object limit must
         # allow them all (a process-wide setting that is only ever raised here).
         limit = 2 * len(options.sizes) + 8
@@ -158,7 +163,7 @@ class CompiledForward:
             # anything else have changed, the bucket recompiles the ordinary way.
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    return cut_rows(self._compiled(*args), n)
+                    return cut_rows(self._compiled(*args), n, self.copy_outputs)
             except Exception:
                 self.num_guard_misses += 1
-        return cut_rows(self._run_bucket(size, args), n)
+        return cut_rows(self._run_bucket(size, args), n, self.copy_outputs)

@@ -77,7 +77,8 @@ class EagleProposer:
 
         def example(n: int) -> tuple[torch.Tensor, ...]:
             ids = torch.zeros(n, dtype=torch.int64, device=device)
-            return ids, torch.zeros(n, hidden, dtype=dtype, device=device), torch.arange(n)
+            positions = torch.arange(n, device=device)
+            return ids, torch.zeros(n, hidden, dtype=dtype, device=device), positions
 
         for forward in self.forwards:
             if isinstance(forward, CompiledForward):
