@@ -18,7 +18,7 @@ from cluster.config import CompileConfig
 from cluster.models.attention import AttentionMetadata, attention_context
 from cluster.models.compiled import CompiledForward, CompileOptions, bucket_for, cut_rows, pad_rows
 from cluster.parallel.pipeline import StageActivations
-from cluster.spec_decode.random_heads import write_eagle
+from cluster.spec_decode.random_heads import write_all
 from cluster.worker.kv_cache import PagedKVCache
 
 ENGINE = dict(dtype="float32", max_model_len=128, num_kv_blocks=96, block_size=4)
@@ -121,10 +121,11 @@ def tiny(tmp_path_factory, smollm2_path):
     root = tmp_path_factory.mktemp("compiled")
     path = str(root / "target")
     make_tiny_chat_model(path, smollm2_path, num_hidden_layers=3, seed=5)
-    return path, write_eagle(str(root / "eagle"), path, 0)
+    specs = write_all(str(root / "drafts"), path)
+    return path, {name: specs[name] for name in ("eagle", "eagle3", "mtp_deepseek", "ngram")}
 
 
-@pytest.mark.parametrize("spec", [None, "eagle", "ngram"])
+@pytest.mark.parametrize("spec", [None, "eagle", "eagle3", "mtp_deepseek", "ngram"])
 def test_compiled_engine_equals_eager_on_a_tiny_model(tiny, spec):
     compiled_equals_eager(tiny, spec, "cpu")
 
@@ -136,12 +137,8 @@ def test_compiled_engine_with_cuda_graphs_equals_eager(tiny, spec):
 
 
 def compiled_equals_eager(tiny, spec: str | None, device: str) -> None:
-    path, eagle = tiny
-    spec_config = None
-    if spec == "eagle":
-        spec_config = {"method": "eagle", "model": eagle, "num_speculative_tokens": 3}
-    elif spec == "ngram":
-        spec_config = {"method": "ngram", "num_speculative_tokens": 3}
+    path, specs = tiny
+    spec_config = None if spec is None else {**specs[spec], "num_speculative_tokens": 3}
     outputs = {}
     for mode in ("off", "on"):
         with LLM(
@@ -161,20 +158,22 @@ def compiled_equals_eager(tiny, spec: str | None, device: str) -> None:
                 target = runner.target_forward
                 assert target.ready and not target.failed
                 assert target.num_guard_misses == 0  # warm-up built the graphs steps use
-                if spec == "eagle":
+                if spec not in (None, "ngram"):
                     drafts = runner.proposer.forwards
                     assert all(d.ready and d.num_guard_misses == 0 for d in drafts)
     assert outputs["on"] == outputs["off"]
 
 
 @pytest.mark.slow
-def test_compiled_smollm2_with_speculation_equals_transformers(smollm2_path):
+@pytest.mark.parametrize("method", ["eagle3", "ngram"])
+def test_compiled_smollm2_with_speculation_equals_transformers(smollm2_path, method):
     """SmolLM2 compiled for 2 and 8 tokens (2 requests: decode and k=3 verification), with
-    the shipped EAGLE-3 head, greedy: token for token transformers' output (near-tie rule)."""
+    the shipped EAGLE-3 head or n-gram drafts, greedy: token for token transformers' output
+    (near-tie rule)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
-    chats = ["What is the capital of France?", "Write a haiku about rivers."]
+    chats = ["What is the capital of France?", "Repeat after me: red, green, blue, red, green."]
     prompts = [
         tok.apply_chat_template(
             [{"role": "user", "content": c}],
@@ -185,7 +184,9 @@ def test_compiled_smollm2_with_speculation_equals_transformers(smollm2_path):
         for c in chats
     ]
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-    spec = {"method": "eagle3", "model": "builtin:smollm2-eagle3", "num_speculative_tokens": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    if method == "eagle3":
+        spec = {"method": "eagle3", "model": "builtin:smollm2-eagle3", "num_speculative_tokens": 3}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with LLM(
         smollm2_path,

@@ -73,7 +73,7 @@ class EagleProposer:
         """Compile the draft's buckets now; returns the seconds it took."""
         seconds = 0.0
         device, hidden = self.draft.state.device, int(self.draft.config.hidden_size)
-        dtype = next(self.draft.parameters()).dtype
+        dtype = self.kv_cache.dtype  # the activations dtype (a head may hold int tensors)
 
         def example(n: int) -> tuple[torch.Tensor, ...]:
             ids = torch.zeros(n, dtype=torch.int64, device=device)
