@@ -13,6 +13,16 @@ NEAR_TIE = 1e-4
 
 
 @torch.no_grad()
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of one user turn with the chat template's generation prompt."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt_ids])
     # Like ignore_eos: EOS may be generated but does not stop. (min_new_tokens would forbid

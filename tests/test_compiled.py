@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from greedy_reference import assert_greedy_equal, hf_greedy
+from greedy_reference import assert_greedy_equal, chat_ids, hf_greedy
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
@@ -174,15 +174,7 @@ def test_compiled_smollm2_with_speculation_equals_transformers(smollm2_path, met
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     chats = ["What is the capital of France?", "Repeat after me: red, green, blue, red, green."]
-    prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": c}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-        for c in chats
-    ]
+    prompts = [chat_ids(tok, c) for c in chats]
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     if method == "eagle3":
