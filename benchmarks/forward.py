@@ -94,7 +94,7 @@ def main() -> None:
         compiled = CompiledForward(
             eager, CompileOptions(tuple(sorted(set(args.tokens)))), torch.device(device), "forward"
         )
-        seconds = compiled.warm_up(lambda n: (torch.zeros(n, dtype=torch.int64), torch.arange(n)))
+        seconds = compiled.warm_up()
         print(f"compiled {len(args.tokens)} buckets in {seconds:.1f} s")
 
     print(

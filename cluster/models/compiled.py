@@ -89,8 +89,8 @@ def compile_kwargs(device: torch.device, autotune: bool) -> dict[str, Any]:
 
 
 class CompiledForward:
-    """Wraps `fn(*rows)`, where every argument is a tensor whose first dim is the token
-    count, with one compiled graph per bucket of `options.sizes`."""
+    """Wraps `fn(input_ids, positions, *rows)`, where every argument is a tensor whose first
+    dim is the token count, with one compiled graph per bucket of `options.sizes`."""
 
     def __init__(
         self, fn: Callable[..., Any], options: CompileOptions, device: torch.device, name: str
@@ -118,17 +118,22 @@ class CompiledForward:
         if torch._dynamo.config.recompile_limit < limit:
             torch._dynamo.config.recompile_limit = limit
 
-    def warm_up(self, example: Callable[[int], tuple[torch.Tensor, ...]]) -> float:
-        """Compile every bucket now (`example(rows)` builds inputs with that many rows);
-        returns the seconds it took. A bucket that fails is logged once and runs eagerly."""
+    def warm_up(self, row_widths: Sequence[int] = (), dtype: torch.dtype | None = None) -> float:
+        """Compile every bucket now, on inputs shaped as a step's: token ids and positions
+        ([n] int64), then a zero row block [n, w] of `dtype` per entry of `row_widths`.
+        Returns the seconds it took; a bucket that fails is logged once and runs eagerly."""
         from tqdm.auto import tqdm
 
         start = time.perf_counter()
         for size in tqdm(self.options.sizes, desc=f"Compiling {self.name}", unit="bucket"):
             meta = AttentionMetadata.for_prefill([size], self.device)
-            # inference mode, as the engine's steps run (dynamo guards on it)
+            # inference mode and inference tensors, as in the engine's steps (dynamo guards
+            # on both: a graph built outside it would be rebuilt at the first step)
             with torch.inference_mode(), attention_context(meta):
-                self._run_bucket(size, example(size))
+                ids = torch.zeros(size, dtype=torch.int64, device=self.device)
+                positions = torch.arange(size, device=self.device)
+                rows = [torch.zeros(size, w, dtype=dtype, device=self.device) for w in row_widths]
+                self._run_bucket(size, (ids, positions, *rows))
         return time.perf_counter() - start
 
     def _run_bucket(self, size: int, args: tuple[torch.Tensor, ...]) -> Any:

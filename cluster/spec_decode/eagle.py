@@ -56,7 +56,7 @@ class EagleProposer:
         self.forwards = []
         for kind in range(draft.num_step_kinds):
 
-            def forward(ids, hidden, positions, kind=kind):
+            def forward(ids, positions, hidden, kind=kind):
                 return self.draft(ids, hidden, positions, kind)
 
             if compile_options is not None:
@@ -67,23 +67,15 @@ class EagleProposer:
     def _forward(
         self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, step: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.forwards[step % len(self.forwards)](ids, hidden, positions)
+        return self.forwards[step % len(self.forwards)](ids, positions, hidden)
 
     def warm_up(self) -> float:
         """Compile the draft's buckets now; returns the seconds it took."""
-        seconds = 0.0
-        device, hidden = self.draft.state.device, int(self.draft.config.hidden_size)
-        dtype = self.kv_cache.dtype  # the activations dtype (a head may hold int tensors)
-
-        def example(n: int) -> tuple[torch.Tensor, ...]:
-            ids = torch.zeros(n, dtype=torch.int64, device=device)
-            positions = torch.arange(n, device=device)
-            return ids, torch.zeros(n, hidden, dtype=dtype, device=device), positions
-
-        for forward in self.forwards:
-            if isinstance(forward, CompiledForward):
-                seconds += forward.warm_up(example)
-        return seconds
+        width = int(self.draft.config.hidden_size)
+        dtype = self.kv_cache.dtype  # the activations' dtype (a head may hold int tensors)
+        return sum(
+            f.warm_up([width], dtype) for f in self.forwards if isinstance(f, CompiledForward)
+        )
 
     @torch.inference_mode()
     def propose(self, batch: ProposalBatch) -> DraftProposal:

@@ -114,15 +114,7 @@ class ModelRunner:
             num_stage_rows = (
                 0 if self.state.is_first_stage else 2 + self.num_aux_from_earlier_stages
             )
-            dtype = self.kv_cache.dtype
-
-            def example(n: int) -> tuple[torch.Tensor, ...]:
-                ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-                positions = torch.arange(n, device=self.device)
-                rows = [torch.zeros(n, hidden, dtype=dtype, device=self.device)] * num_stage_rows
-                return (ids, positions, *rows)
-
-            seconds += self.target_forward.warm_up(example)
+            seconds += self.target_forward.warm_up([hidden] * num_stage_rows, self.kv_cache.dtype)
         if self.proposer is not None and hasattr(self.proposer, "warm_up"):
             seconds += self.proposer.warm_up()
         return seconds
