@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 # `SamplingParams.is_greedy`), so no sentinel temperature can drift out of sync.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
+_TOP_K_MAX = 2**31 - 1  # larger values mean "no limit" anyway; they could not cross the wire
+_LOGIT_BIAS_MAX = 100.0  # OpenAI's range: [-100, 100]
 _SEED_MIN = -(2**63)  # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1]
 _SEED_MAX = 2**64 - 1
 
@@ -24,6 +26,23 @@ _SEED_MAX = 2**64 - 1
 def _require(ok: bool, field: str, allowed: str, value: Any) -> None:
     if not ok:
         raise ValueError(f"{field} must be {allowed}, got {value!r}")
+
+
+def is_valid_unicode(text: str) -> bool:
+    """False for strings that cannot be UTF-8 (lone surrogates such as "\\ud800", which
+    JSON can carry and tokenizers reject)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _token_id(key: Any) -> int:
+    """A token id from an int or a decimal string (JSON object keys are strings)."""
+    if isinstance(key, bool) or not isinstance(key, int | str):
+        raise TypeError(key)
+    return int(key)
 
 
 class SamplingParams(BaseModel):
@@ -45,6 +64,9 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # (token id, bias) pairs added to the logits before anything else; the OpenAI form
+    # {"token id": bias} is accepted too.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @field_validator("n")
     @classmethod
@@ -67,7 +89,8 @@ class SamplingParams(BaseModel):
     @field_validator("top_k")
     @classmethod
     def _check_top_k(cls, v: int) -> int:
-        _require(v == -1 or v >= 1, "top_k", "-1 (disabled) or an integer >= 1", v)
+        ok = v == -1 or 1 <= v <= _TOP_K_MAX
+        _require(ok, "top_k", f"-1 (disabled) or an integer in [1, {_TOP_K_MAX}]", v)
         return v
 
     @field_validator("min_p")
@@ -112,9 +135,24 @@ class SamplingParams(BaseModel):
     @classmethod
     def _check_stop(cls, v: Any) -> tuple[str, ...]:
         stops = () if v is None else (v,) if isinstance(v, str) else tuple(v)
-        ok = all(isinstance(s, str) and s for s in stops)
+        ok = all(isinstance(s, str) and s and is_valid_unicode(s) for s in stops)
         _require(ok, "stop", "a non-empty string or a list of non-empty strings", v)
         return stops
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _check_logit_bias(cls, v: Any) -> tuple[tuple[int, float], ...]:
+        allowed = f'{{"token id": bias}} with biases in [-{_LOGIT_BIAS_MAX:g}, {_LOGIT_BIAS_MAX:g}]'
+        if v is None:
+            return ()
+        pairs = v.items() if isinstance(v, dict) else v
+        try:
+            out = tuple((_token_id(k), float(b)) for k, b in pairs)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must be {allowed}, got {v!r}") from None
+        ok = all(t >= 0 and abs(b) <= _LOGIT_BIAS_MAX for t, b in out)  # NaN fails too
+        _require(ok, "logit_bias", allowed, v)
+        return out
 
     @field_validator("stop_token_ids", mode="before")
     @classmethod

@@ -111,6 +111,9 @@ def test_seeded_sampling_is_independent_of_the_batch(llm):
         ({"prompt_token_ids": [1, 49152]}, SamplingParams(), "outside the vocabulary"),
         ({"prompt_token_ids": [1, -3]}, SamplingParams(), "outside the vocabulary"),
         ("hi", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+        ("hi", SamplingParams(max_tokens=200), "ask for at most 12[0-9] tokens"),
+        ("hi", SamplingParams(logit_bias={"49152": 1}), "logit_bias"),
+        ("\ud800", SamplingParams(), "lone surrogate"),
         ("hi", {"temperature": 0}, "must be a SamplingParams"),
     ],
 )

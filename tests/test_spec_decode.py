@@ -147,3 +147,36 @@ def test_drafts_respect_max_tokens_and_stop_inside_an_accepted_run(target, basel
     assert outs[0].outputs[0].token_ids == baseline[0][:7]
     assert outs[1].outputs[0].token_ids == baseline[1][: first + 1]
     assert outs[1].outputs[0].finish_reason == "stop"
+
+
+def test_extreme_sampling_values_share_a_batch_safely(target, baseline):
+    """Legal but extreme values, in one batch with a greedy request and EAGLE-3 drafts:
+    nothing fails, the greedy neighbour is untouched, and the limits mean what they say."""
+    path, _, specs = target
+    prompt = PROMPTS[0]
+
+    def vary(params, **update):  # validated (model_copy would skip the validators)
+        return SamplingParams(**{**params.model_dump(), **update})
+
+    sampled = vary(GREEDY, temperature=1.0, seed=7)
+    forced = 17  # +100 on one token: every step picks it
+    extreme = [
+        GREEDY,
+        vary(sampled, top_p=5e-324),  # only the argmax survives
+        vary(sampled, min_p=1.0),  # likewise
+        vary(sampled, temperature=1e308),
+        vary(sampled, temperature=1.01e-5),
+        vary(sampled, top_k=2**31 - 1),
+        vary(sampled, repetition_penalty=1e-300),
+        vary(sampled, repetition_penalty=1e300),
+        vary(sampled, presence_penalty=2, frequency_penalty=-2),
+        vary(GREEDY, logit_bias={str(forced): 100}),
+        vary(sampled, logit_bias={str(t): -100 for t in range(50)}),
+    ]
+    outs, _ = _run(path, specs["eagle3"], 3, [prompt] * len(extreme), extreme)
+    tokens = [o.token_ids for o in outs]
+    assert all(len(t) == NEW_TOKENS for t in tokens)  # every request ran to the end
+    assert all(0 <= x < 49152 for t in tokens for x in t)  # the vocabulary
+    assert tokens[0] == tokens[1] == tokens[2] == baseline[0]
+    assert tokens[9] == [forced] * NEW_TOKENS
+    assert all(x >= 50 for x in tokens[10])

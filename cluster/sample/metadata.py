@@ -16,6 +16,9 @@ import torch
 from cluster.sampling_params import SamplingParams
 
 
+_FLOAT32_SAFE = 1e30  # well inside float32's range (3.4e38), its reciprocal too
+
+
 @dataclass(frozen=True)
 class Penalties:
     """Repetition / presence / frequency penalties of a batch (rows of unpenalised requests
@@ -41,6 +44,7 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # [batch] float32, 1.0 = off; None when nobody uses it
     min_p: torch.Tensor | None  # [batch] float32, 0.0 = off; None when nobody uses it
     penalties: Penalties | None
+    logit_bias: torch.Tensor | None  # [batch, vocab] float32 added first; None when unused
     num_logprobs: tuple[int | None, ...]  # per request: top-n logprobs wanted, None = none
     generators: Mapping[int, torch.Generator]  # request index -> its own generator
 
@@ -92,20 +96,36 @@ class SamplingMetadata:
             return column(values, dtype) if any(v != off for v in values) else None
 
         top_k = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
+        # Extreme but legal values are kept inside float32 (1e308 would become inf, and
+        # -inf / inf is NaN): a temperature of 1e30 already flattens any logits.
+        temperature = [1.0 if p.is_greedy else min(p.temperature, _FLOAT32_SAFE) for p in params]
         return cls(
             vocab_size=vocab_size,
             greedy=greedy,
             is_greedy=column(greedy, torch.bool),
-            temperature=column(
-                [1.0 if p.is_greedy else p.temperature for p in params], torch.float32
-            ),
+            temperature=column(temperature, torch.float32),
             top_k=filter_column(top_k, vocab_size, torch.int64),
             top_p=filter_column([p.top_p for p in params], 1.0, torch.float32),
             min_p=filter_column([p.min_p for p in params], 0.0, torch.float32),
             penalties=_penalties(params, vocab_size, device, prompt_token_ids, output_token_ids),
+            logit_bias=_logit_bias(params, vocab_size, device),
             num_logprobs=tuple(p.logprobs for p in params),
             generators=MappingProxyType(generators),
         )
+
+
+def _logit_bias(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    if not any(p.logit_bias for p in params):
+        return None
+    table = torch.zeros(len(params), vocab_size, dtype=torch.float32)
+    for i, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            if not 0 <= token < vocab_size:
+                raise ValueError(f"params[{i}].logit_bias: token {token} is outside the vocabulary")
+            table[i, token] = bias
+    return table.to(device)
 
 
 def make_generators(
@@ -145,8 +165,11 @@ def _penalties(
     def column(values: Sequence[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=device)
 
+    # A penalty far from 1 is clamped into [1e-30, 1e30]: float32 keeps it finite and
+    # nonzero, and the effect is the same (the token's logit is pushed to the extreme).
+    repetition = [min(max(p.repetition_penalty, 1 / _FLOAT32_SAFE), _FLOAT32_SAFE) for p in params]
     return Penalties(
-        repetition=column([p.repetition_penalty for p in params]),
+        repetition=column(repetition),
         presence=column([p.presence_penalty for p in params]),
         frequency=column([p.frequency_penalty for p in params]),
         active=torch.tensor(active, dtype=torch.bool, device=device),

@@ -1,6 +1,6 @@
 """The logits pipeline shared by `Sampler` and `RejectionSampler`, one row per sampled position.
 
-Order: penalties (repetition on prompt + output tokens, then frequency and presence on
+Order: logit bias, penalties (repetition on prompt + output tokens, then frequency and presence on
 output tokens), temperature, min-p, top-k, top-p. Greedy requests carry neutral values for
 everything after the penalties, so their argmax is the argmax of the penalised logits.
 Because both samplers call `process_logits`, a verified draft position is processed exactly
@@ -23,6 +23,8 @@ def process_logits(
     """[rows, vocab] float32: the logits each row samples from (a new tensor)."""
     out = logits.to(torch.float32, copy=True)
     request = rows.request_index  # [rows]
+    if metadata.logit_bias is not None:
+        out += metadata.logit_bias.index_select(0, request)
     if metadata.penalties is not None:
         apply_penalties(out, metadata.penalties, rows)
     if not metadata.all_greedy:

@@ -2,7 +2,8 @@
 `GenerateOutput`s, for `/v1/completions` and `/v1/chat/completions`.
 
 Sampling fields map one to one onto `SamplingParams` (vLLM's extensions `top_k`,
-`min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids` are accepted too); every
+`min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids` are accepted too, and
+OpenAI's `logit_bias`); every
 bad value becomes a 400 naming the field. Unknown fields are ignored, as OpenAI clients
 send some this server has no use for; fields it cannot honour are refused.
 """
@@ -31,6 +32,7 @@ _SAMPLING_FIELDS = (
     "stop",
     "stop_token_ids",
     "ignore_eos",
+    "logit_bias",
 )
 
 
@@ -54,6 +56,7 @@ class _OpenAIRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None
     logprobs: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling_params import SamplingParams, is_valid_unicode
 
 
 class ChatMessage(BaseModel):
@@ -26,6 +26,13 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str
+
+    @field_validator("content")
+    @classmethod
+    def _unicode(cls, v: str) -> str:
+        if not is_valid_unicode(v):
+            raise ValueError("content is not valid Unicode (it holds a lone surrogate)")
+        return v
 
 
 class GenerateRequest(BaseModel):
@@ -39,6 +46,13 @@ class GenerateRequest(BaseModel):
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     stream: bool = False
     request_id: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _unicode(cls, v: str | None) -> str | None:
+        if v is not None and not is_valid_unicode(v):
+            raise ValueError("prompt is not valid Unicode (it holds a lone surrogate)")
+        return v
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
