@@ -15,7 +15,6 @@ import torch
 
 from cluster.sampling_params import SamplingParams
 
-
 _FLOAT32_SAFE = 1e30  # well inside float32's range (3.4e38), its reciprocal too
 
 
