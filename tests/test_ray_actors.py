@@ -4,6 +4,8 @@ engine's greedy tokens, and a lost or frozen worker is reported fast instead of 
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,7 +15,8 @@ from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
 from cluster.actors import EngineClient, PlacementConfig, RayExecutor
-from cluster.actors.client import _newest
+from cluster.actors.client import _newest, detached
+from cluster.actors.ray_executor import _process_exists
 from cluster.config import engine_config_from_args
 from cluster.engine.async_llm import EngineDeadError
 from cluster.llm import build_engine
@@ -117,6 +120,7 @@ def test_killed_worker_fails_in_flight_requests_within_seconds(ray_session, tiny
     )
     client = EngineClient(config, HALF_CPU, engine_id="killtest")
     assert len(engine_actor_names("cluster-killtest")) == 3  # scheduler + 2 workers
+    pid = client.layout["workers"][1]["pid"]
 
     async def main():
         seen = 0
@@ -125,7 +129,7 @@ def test_killed_worker_fails_in_flight_requests_within_seconds(ray_session, tiny
             async for out in client.generate("a long answer please", _long_params()):
                 seen = len(out.outputs[0].token_ids)
                 if killed_at is None and seen >= 2:
-                    ray.kill(ray.get_actor("cluster-killtest-worker-1", namespace="cluster"))
+                    os.kill(pid, signal.SIGKILL)  # as the OOM killer would: Ray is not told
                     killed_at = time.monotonic()
         assert killed_at is not None and seen < 400
         assert time.monotonic() - killed_at < 5.0
@@ -140,6 +144,14 @@ def test_killed_worker_fails_in_flight_requests_within_seconds(ray_session, tiny
     finally:
         client.shutdown()
     wait_for(lambda: not engine_actor_names("cluster-killtest"), 10, "the engine's actors to go")
+
+
+def test_an_exited_process_is_seen_at_once():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    time.sleep(2)  # exited, not yet reaped: a zombie, which must count as gone
+    assert not _process_exists(child.pid)
+    child.wait()
+    assert not _process_exists(child.pid) and _process_exists(os.getpid())
 
 
 def test_frozen_worker_makes_health_check_report_a_stalled_step(ray_session, tiny):
@@ -218,3 +230,37 @@ def test_an_abort_that_overtakes_its_add_drops_the_request(ray_session, tiny):
         assert ray.get(actor.health.remote())["num_live_requests"] == 0
     finally:
         ray.kill(actor)
+
+
+@ray.remote
+class _Recorder:
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def record(self, value: int) -> None:
+        self.seen.append(value)
+
+    def get(self) -> list[int]:
+        return self.seen
+
+
+@ray.remote
+class _LeavingCaller:
+    async def wait_then_report(self, recorder, value: int) -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:  # what `EngineClient.generate` does when its caller is cancelled
+            detached(recorder.record.remote, value)
+
+
+def test_a_call_made_as_a_cancelled_call_ends_is_not_cancelled_with_it(ray_session):
+    """Serve cancels the replica call of a client that left, and Ray cancels that call's
+    children: the abort the call sends as it ends must still run (sent plainly, none of
+    the eight arrives)."""
+    recorder, caller = _Recorder.remote(), _LeavingCaller.remote()
+    calls = [caller.wait_then_report.remote(recorder, i) for i in range(8)]
+    wait_for(lambda: ray.get(caller.__ray_ready__.remote()) or True, 5, "the caller")
+    time.sleep(0.5)  # every call is inside its sleep
+    for call in calls:
+        ray.cancel(call)
+    wait_for(lambda: len(ray.get(recorder.get.remote())) == 8, 10, "all eight reports")

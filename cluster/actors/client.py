@@ -8,12 +8,18 @@ the per-request queues, so the cost is one RPC per engine step, not per token pe
 
 If the scheduler actor or a worker dies, the pump fails every in-flight request with
 `EngineDeadError` at once, and every later request is refused with it.
+
+Calls that must outlive the request that caused them (the pump's polls, aborts, stop-
+string finishes) are made outside that request's Ray task context (`detached`): Serve
+cancels a replica call whose client left, Ray then cancels the call's child tasks too,
+and an abort sent as such a child would be cancelled before it ran.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -133,11 +139,12 @@ class EngineClient:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Forget the request here and free it in the scheduler (fire and forget)."""
+        """Forget the request here and free it in the scheduler (fire and forget, and
+        never cancelled with the call that aborts: see `detached`)."""
         self._streams.pop(request_id, None)
         self.output_processor.abort(request_id)
         if self.error is None:
-            self.scheduler.abort.remote([request_id])
+            detached(self.scheduler.abort.remote, [request_id])
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -161,7 +168,9 @@ class EngineClient:
     def _ensure_pump(self) -> None:
         """One pump per client, on the running loop (again if a previous loop ended)."""
         if self._pump is None or self._pump.done():
-            self._pump = asyncio.get_running_loop().create_task(self._pump_outputs())
+            # A fresh context: the pump is nobody's child (see `detached`).
+            loop = asyncio.get_running_loop()
+            self._pump = loop.create_task(self._pump_outputs(), context=contextvars.Context())
 
     async def _pump_outputs(self) -> None:
         try:
@@ -203,6 +212,13 @@ class EngineClient:
             ray.get(self.scheduler.shutdown.remote(), timeout=10)
         with contextlib.suppress(Exception):
             ray.kill(self.scheduler, no_restart=True)
+
+
+def detached(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in an empty context, so that Ray tasks it submits are not children of
+    the actor call running now (Ray finds the parent of an async actor's submissions in a
+    context variable), and cancelling that call does not cancel them."""
+    return contextvars.Context().run(fn, *args)
 
 
 async def _newest(queue: asyncio.Queue, wait_s: float) -> Any:

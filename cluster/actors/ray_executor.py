@@ -7,13 +7,17 @@ created here), they are ranked by node then bundle before torch.distributed star
 the rendezvous address is found at run time on the rank-0 worker's node.
 
 Waiting is fail-fast: the first rank that dies or raises ends the call with its error,
-so a lost worker fails the step within seconds instead of hanging on its peers.
+so a lost worker fails the step within seconds instead of hanging on its peers. Ray can
+take many seconds to report a worker process that simply exited (a kill, the OOM
+killer) on a loaded machine, so the wait also checks, twice a second, that the processes
+of the ranks on this node still exist.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -35,6 +39,9 @@ from cluster.engine.executor import Executor, PendingOutput
 from cluster.engine.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# How often a wait looks for worker processes that exited before Ray noticed.
+_LIVENESS_CHECK_S = 0.5
 
 
 class RayExecutor(Executor):
@@ -115,17 +122,31 @@ class RayExecutor(Executor):
         pending = list(refs)
         deadline = time.monotonic() + timeout_s
         while pending:
+            remaining = deadline - time.monotonic()
             ready, pending = ray.wait(
-                pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+                pending, num_returns=1, timeout=max(0.0, min(remaining, _LIVENESS_CHECK_S))
             )
             if not ready:
                 ranks = sorted(index[r] for r in pending)
-                raise TimeoutError(f"worker ranks {ranks} did not answer in {timeout_s} s")
+                if remaining <= _LIVENESS_CHECK_S:
+                    raise TimeoutError(f"worker ranks {ranks} did not answer in {timeout_s} s")
+                self._raise_if_exited(ranks)
+                continue
             try:
                 ray.get(ready[0])
             except ray.exceptions.RayActorError as e:
                 raise RuntimeError(f"worker rank {index[ready[0]]} is dead ({e})") from e
         return ray.get(refs)
+
+    def _raise_if_exited(self, ranks: list[int]) -> None:
+        """Raise if the process of any of `ranks` that runs on this node has exited."""
+        if len(self.slots) != len(self.workers):  # not ranked yet
+            return
+        here = ray.get_runtime_context().get_node_id()
+        for rank in ranks:
+            slot = self.slots[rank]
+            if slot.node_id == here and not _process_exists(slot.pid):
+                raise RuntimeError(f"worker rank {rank} is dead (its process {slot.pid} exited)")
 
     def available_kv_blocks(self) -> int:
         return min(self._get_all([w.available_kv_blocks.remote() for w in self.workers], 600))
@@ -173,3 +194,20 @@ class RayExecutor(Executor):
             with contextlib.suppress(Exception):
                 remove_placement_group(self._own_pg)
             self._own_pg = None
+
+
+def _process_exists(pid: int) -> bool:
+    """False once `pid` has exited (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): signal 0 tells existence only
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True

@@ -1,12 +1,14 @@
 """The OpenAI-compatible ingress: a FastAPI app served by Ray Serve (`@serve.ingress`).
 
 Routes: `/v1/completions`, `/v1/chat/completions` (streamed as server-sent events when
-`stream` is set), `/v1/models`, `/health`. Errors are OpenAI-style JSON with a real
+`stream` is set), `/v1/models`, `/health`. Every error, FastAPI's own included (a body
+that is not JSON or not UTF-8, an unknown route), is OpenAI-style JSON with a real
 status: the first chunk of a stream is awaited before the response starts, so a bad
 request, back-pressure or a dead engine is a 400/429/503, not a 200 with a broken body.
 When the client goes away the stream is cancelled, which aborts the request in the
-engine and frees its KV blocks. A Bearer API key, when configured, guards every route
-but `/health`.
+engine and frees its KV blocks. A Bearer API key, when configured, guards every path
+but `/health` (the OpenAPI schema and docs pages included), and is checked before the
+body is read, so an unauthenticated caller learns nothing about the schema.
 """
 
 import asyncio
@@ -22,10 +24,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster.serve.args import ServerArgs
 from cluster.serve.errors import (
     AuthenticationError,
+    EngineUnavailableError,
     InvalidRequestError,
     ModelNotFoundError,
     classify,
@@ -63,12 +68,57 @@ def _validation_message(e: RequestValidationError | ValidationError) -> str:
     return "; ".join(parts)
 
 
+# Paths (below the route prefix) that answer without the API key.
+OPEN_PATHS = frozenset({"/health"})
+HEALTH_TIMEOUT_S = 10.0
+
+
+class BearerAuth:
+    """ASGI middleware: with an API key set (`app.state.api_key`), every HTTP path but
+    `OPEN_PATHS` needs `Authorization: Bearer <key>`; checked before routing or parsing."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            key = scope["app"].state.api_key
+            if key is not None and _path(scope) not in OPEN_PATHS and not _authorized(scope, key):
+                response = error_response(
+                    AuthenticationError("a valid 'Authorization: Bearer <key>' is required")
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _path(scope: Scope) -> str:
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def _authorized(scope: Scope, key: str) -> bool:
+    headers = dict(scope["headers"])
+    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
+
+
 def make_openai_app() -> FastAPI:
     app = FastAPI(title="cluster: OpenAI-compatible API")
+    app.state.api_key = None  # the ingress sets it where it runs
+    app.add_middleware(BearerAuth)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         return error_response(InvalidRequestError(_validation_message(e)))
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, e: HTTPException) -> JSONResponse:
+        # FastAPI's own errors: a body it cannot parse (400), an unknown path (404), ...
+        kind = "invalid_request_error" if e.status_code < 500 else "internal_error"
+        if e.status_code == 404:
+            kind = "not_found_error"
+        return JSONResponse(error_body(e.status_code, str(e.detail), kind), e.status_code)
 
     return app
 
@@ -82,35 +132,32 @@ def make_ingress_class() -> type:
         def __init__(self, llm: DeploymentHandle, model_id: str, server: ServerArgs) -> None:
             self.llm = llm
             self.model_id = model_id
-            self.api_key = server.resolved_api_key()
+            app.state.api_key = server.resolved_api_key()
 
-        def _authorize(self, request: Request) -> None:
-            if self.api_key is None:
-                return
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token, self.api_key):
-                raise AuthenticationError("a valid 'Authorization: Bearer <key>' is required")
-
-        def _check(self, request: Request, model: str | None = None) -> None:
-            self._authorize(request)
-            if model is not None and model != self.model_id:
+        def _check_model(self, model: str) -> None:
+            if model != self.model_id:
                 raise ModelNotFoundError(
                     f"the model {model!r} does not exist; this server serves {self.model_id!r}"
                 )
 
         @app.get("/health")
         async def health(self) -> JSONResponse:
+            """200 only when an engine answers its own health check (scheduler, every
+            worker, a step loop that is not stalled); 503 otherwise, or after 10 s."""
             try:
-                await asyncio.wait_for(self.llm.model_card.remote(), timeout=10)
-            except Exception as e:
-                return error_response(e)
+                await asyncio.wait_for(self.llm.health.remote(), timeout=HEALTH_TIMEOUT_S)
+            except TimeoutError:
+                return error_response(
+                    EngineUnavailableError(f"no engine answered within {HEALTH_TIMEOUT_S:g} s")
+                )
+            except Exception as e:  # whatever failed, the service is not available
+                _, _, message = classify(e)
+                return error_response(EngineUnavailableError(message))
             return JSONResponse({"status": "ok"})
 
         @app.get("/v1/models")
-        async def models(self, request: Request) -> JSONResponse:
+        async def models(self) -> JSONResponse:
             try:
-                self._check(request)
                 card = await self.llm.model_card.remote()
             except Exception as e:
                 return error_response(e)
@@ -119,18 +166,16 @@ def make_ingress_class() -> type:
             return JSONResponse({"object": "list", "data": [entry]})
 
         @app.post("/v1/completions")
-        async def completions(self, body: CompletionRequest, request: Request) -> Any:
-            return await self._serve(body, request, chat=False)
+        async def completions(self, body: CompletionRequest) -> Any:
+            return await self._serve(body, chat=False)
 
         @app.post("/v1/chat/completions")
-        async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
-            return await self._serve(body, request, chat=True)
+        async def chat_completions(self, body: ChatCompletionRequest) -> Any:
+            return await self._serve(body, chat=True)
 
-        async def _serve(
-            self, body: CompletionRequest | ChatCompletionRequest, request: Request, chat: bool
-        ) -> Any:
+        async def _serve(self, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Any:
             try:
-                self._check(request, body.model)
+                self._check_model(body.model)
                 fields = (
                     {"messages": body.messages}
                     if isinstance(body, ChatCompletionRequest)

@@ -148,7 +148,12 @@ class LLMServer:
 
     # ---- operations ----------------------------------------------------------------------
     async def check_health(self) -> None:
-        await self.engine.check_health(self.args.server.health_timeout_s)
+        """Serve's periodic check: a failure makes Serve replace the replica."""
+        await self.health()
+
+    async def health(self) -> dict[str, Any]:
+        """What `/health` asks: raises unless the engine answers its health check."""
+        return await self.engine.check_health(self.args.server.health_timeout_s)
 
     async def model_card(self) -> dict[str, Any]:
         return {"id": self.model_id, "max_model_len": self.max_model_len}
