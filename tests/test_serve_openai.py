@@ -14,6 +14,7 @@ import pytest
 import ray
 from ray import serve
 from ray_helpers import init_local_ray, speculation_supported, wait_for
+from transformers import AutoTokenizer
 
 from cluster import LLM, SamplingParams
 from cluster.cli import main
@@ -129,13 +130,19 @@ def test_handle_generates_and_streams_the_same(served):
     assert [t for c in streamed for t in c.token_ids] == expected.token_ids
 
 
-def _get(url, headers=None):
-    request = urllib.request.Request(url, headers=headers or {})
+def _get(url, headers=None, body=None):
+    """(status, JSON body) of a GET, or of a POST when `body` (bytes) is given."""
+    request = urllib.request.Request(url, body, headers=headers or {})
     try:
         with urllib.request.urlopen(request, timeout=30) as r:
-            return r.status, json.loads(r.read())
+            data = r.read()
+            return r.status, json.loads(data) if "json" in r.headers["content-type"] else data
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+JSON = {"Content-Type": "application/json"}
 
 
 def test_models_health_and_api_key(served):
@@ -144,11 +151,20 @@ def test_models_health_and_api_key(served):
     assert _get(f"{url}/health") == (200, {"status": "ok"})  # no key needed
     status, body = _get(f"{url}/v1/models")
     assert status == 401 and body["error"]["type"] == "authentication_error"
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect", "/nowhere"):
+        status, body = _get(f"{url}{path}")
+        assert status == 401 and body["error"]["code"] == 401, path
+    assert _get(f"{url}/openapi.json", AUTH)[0] == 200
+    status, body = _get(f"{url}/nowhere", AUTH)
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+    # Authentication comes before the body is read: no schema details for strangers.
+    status, body = _get(f"{url}/v1/completions", JSON, b'{"prompt": 3}')
+    assert status == 401 and "prompt" not in body["error"]["message"]
     with pytest.raises(openai.AuthenticationError):
         _client(url, key="wrong").completions.create(model="SmolLM2-135M-Instruct", prompt="x")
 
 
-def test_bad_requests_get_openai_errors(served):
+def test_bad_requests_get_openai_errors(served, smollm2_path):
     url, _, _ = served
     client = _client(url)
     ok = {"model": "SmolLM2-135M-Instruct", "prompt": "hello", "max_tokens": 4}
@@ -173,6 +189,23 @@ def test_bad_requests_get_openai_errors(served):
         urllib.request.urlopen(request, timeout=30)
     error = json.loads(e.value.read())["error"]
     assert e.value.code == 400 and error["code"] == 400 and "model" in error["message"]
+    for raw in (b'{"model": "SmolLM2-135M-Instruct", "prompt": "\xff\xfe"}', b'{"model": '):
+        status, body = _get(f"{url}/v1/completions", {**AUTH, **JSON}, raw)  # not UTF-8 / JSON
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", raw
+    lone = {"role": "user", "content": "\udfff"}  # JSON can carry lone surrogates
+    for path, body, field in [
+        ("/v1/completions", {**ok, "max_tokens": 10**6}, "max_tokens"),
+        ("/v1/completions", {**ok, "top_k": 10**30}, "top_k"),
+        ("/v1/completions", {**ok, "prompt": "\ud800"}, "prompt"),
+        ("/v1/chat/completions", {"model": ok["model"], "messages": [lone]}, "content"),
+    ]:
+        status, reply = _get(f"{url}{path}", {**AUTH, **JSON}, json.dumps(body).encode())
+        assert status == 400 and field in reply["error"]["message"], (field, reply)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(**ok, logit_bias={"not a token": 5})
+    forced = client.completions.create(**ok, temperature=0.8, logit_bias={"42": 100})
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    assert forced.choices[0].text == tokenizer.decode([42] * ok["max_tokens"])
 
 
 def test_full_queue_gets_429_and_leaving_clients_free_their_requests(served):
@@ -217,6 +250,50 @@ def test_full_queue_gets_429_and_leaving_clients_free_their_requests(served):
     assert metrics["generation_tokens"] > 0 and metrics["prompt_tokens"] > 0
     if reference["speculating"]:  # the default manifest drafts with n-grams
         assert metrics["spec_decode"]["num_drafts"] > 0
+
+
+def test_dropped_streams_always_free_their_requests(served):
+    """Serve cancels the replica call of a client that leaves; the abort the call sends as
+    it ends must not be cancelled with it (once, 5 rounds in 12 left a request running)."""
+    url, llm, _ = served
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    def stats():
+        return llm.stats.remote().result()
+
+    async def drop_two(over_http: bool):
+        if over_http:
+            streams = [
+                await client.completions.create(
+                    model="SmolLM2-135M-Instruct",
+                    prompt=f"Story {i}:",
+                    max_tokens=400,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                for i in range(2)
+            ]
+            for stream in streams:
+                await stream.__anext__()
+                await stream.close()
+            return
+        for i in range(2):
+            stream = llm.options(stream=True).generate.remote(
+                GenerateRequest(prompt=f"Story {i}:", sampling_params=long, stream=True)
+            )
+            await stream.__anext__()
+            stream.cancel()
+
+    for over_http in (True, False, True, False, True, True):
+        asyncio.run(drop_two(over_http))
+        wait_for(
+            lambda: stats()["num_live_requests"] == 0 and stats()["num_unfinished_requests"] == 0,
+            10,
+            "both dropped streams to be aborted in the engine",
+        )
+    s = stats()
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
 
 
 def test_cli_generate_and_chat_against_the_server(served, capsys, monkeypatch):
