@@ -94,10 +94,14 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     serve = sub.add_parser(
-        "serve", help="deploy a manifest on Ray Serve (starting or joining Ray) until Ctrl-C"
+        "serve", help="deploy a manifest on Ray Serve (on a Ray of its own) until Ctrl-C"
     )
     serve.add_argument("manifest", help="a Serve config file, e.g. manifests/default.yaml")
-    serve.add_argument("--address", help="Ray address (default: a running cluster, else local)")
+    serve.add_argument(
+        "--address",
+        help="join this Ray cluster ('auto': the one running here) instead of starting a "
+        "new local Ray; on exit only this application is removed from it",
+    )
     serve.add_argument("--host", help="HTTP host (default: the manifest's, else 127.0.0.1)")
     serve.add_argument("--port", type=int, help="HTTP port (default: the manifest's, else free)")
     serve.add_argument(

@@ -1,5 +1,6 @@
-"""`cluster serve MANIFEST` end to end, in its own process: it starts Ray, deploys, prints
-the base URL, answers over HTTP, and on Ctrl-C shuts Serve and Ray down and exits 0."""
+"""`cluster serve MANIFEST` end to end, in its own process: it starts a Ray of its own,
+deploys, prints the base URL, answers over HTTP, and on Ctrl-C shuts Serve and its Ray
+down and exits 0. A second server on the same machine leaves the first one alone."""
 
 import json
 import os
@@ -35,7 +36,49 @@ def _wait_for_line(lines: queue.Queue, prefix: str, timeout_s: float, seen: list
             return line[len(prefix) :].strip()
 
 
-def test_cluster_serve_deploys_answers_and_stops_on_ctrl_c(tmp_path, smollm2_path):
+class Server:
+    """One `cluster serve` process and the lines it printed."""
+
+    def __init__(self, manifest: str) -> None:
+        command = [sys.executable, "-m", "cluster.cli", "serve", manifest]
+        self.proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "RAY_DEDUP_LOGS": "1"},
+        )
+        self.lines: queue.Queue = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=_lines, args=(self.proc.stdout, self.lines), daemon=True).start()
+
+    def wait_for(self, prefix: str, timeout_s: float) -> str:
+        return _wait_for_line(self.lines, prefix, timeout_s, self.seen)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)  # Ctrl-C
+        self.wait_for("shutting down", 30)
+        try:  # Serve and Ray take a while to stop on a loaded 2-core machine
+            assert self.proc.wait(timeout=150) == 0
+        except subprocess.TimeoutExpired:
+            raise AssertionError("no exit after Ctrl-C:\n" + "".join(self.seen[-40:])) from None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _complete(url: str) -> int:
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+    request = urllib.request.Request(
+        f"{url}/v1/completions", body.encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return json.loads(r.read())["usage"]["completion_tokens"]
+
+
+def test_two_cluster_serves_each_run_their_own_ray_and_stop_on_ctrl_c(tmp_path, smollm2_path):
     model = str(tmp_path / "m")
     make_tiny_chat_model(model, smollm2_path, num_hidden_layers=2)
     args = {
@@ -47,34 +90,21 @@ def test_cluster_serve_deploys_answers_and_stops_on_ctrl_c(tmp_path, smollm2_pat
     app = {"name": "cli", "import_path": "cluster.serve:build_app", "args": args}
     manifest = tmp_path / "tiny.yaml"
     manifest.write_text(yaml.safe_dump({"applications": [app]}))
-    command = [sys.executable, "-m", "cluster.cli", "serve", str(manifest), "--address", "local"]
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "RAY_DEDUP_LOGS": "1"},
-    )
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
-    seen: list[str] = []
+    first = Server(str(manifest))
+    second = None
     try:
-        url = _wait_for_line(lines, "base URL:", 180, seen)
-        with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+        first_url = first.wait_for("base URL:", 180)
+        with urllib.request.urlopen(f"{first_url}/health", timeout=30) as r:
             assert r.status == 200
-        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True})
-        request = urllib.request.Request(
-            f"{url}/v1/completions", body.encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=60) as r:
-            assert json.loads(r.read())["usage"]["completion_tokens"] == 4
-        proc.send_signal(signal.SIGINT)  # Ctrl-C
-        _wait_for_line(lines, "shutting down", 30, seen)
-        try:  # Serve and Ray take a while to stop on a loaded 2-core machine
-            assert proc.wait(timeout=150) == 0
-        except subprocess.TimeoutExpired:
-            raise AssertionError("no exit after Ctrl-C:\n" + "".join(seen[-40:])) from None
+        assert _complete(first_url) == 4
+        # The same manifest again (same application name), on the same machine.
+        second = Server(str(manifest))
+        second_url = second.wait_for("base URL:", 180)
+        assert second_url != first_url and _complete(second_url) == 4
+        second.stop()
+        assert _complete(first_url) == 4  # neither redeployed nor shut down by the second
+        first.stop()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        first.kill()
+        if second is not None:
+            second.kill()

@@ -1,5 +1,6 @@
-"""Deploying a manifest from Python or `cluster serve`: start or join Ray, start Serve's
-HTTP proxy on the manifest's (or a free) port, run the application, report its URL."""
+"""Deploying a manifest from Python or `cluster serve`: start Ray (or join the cluster the
+user names), start Serve's HTTP proxy on the manifest's (or a free) port, run the
+application, report its URL. What `cluster serve` did not start, it does not stop."""
 
 from __future__ import annotations
 
@@ -18,16 +19,13 @@ from cluster.serve.manifest import Manifest, ManifestError
 
 
 def connect_ray(address: str | None = None) -> bool:
-    """Join the Ray cluster at `address` (None: a running one if any, else a new local
-    one; "local": always a new one). True when this process started Ray."""
+    """A new local Ray of this process's own (`address` None or "local"), or the cluster at
+    `address` ("auto": the one running on this machine). True when this process started
+    Ray. Joining only when asked means a second server never redeploys the first one's
+    application, or shuts down its Serve, by accident."""
     if ray.is_initialized():
         return False
-    if address is None:
-        try:
-            ray.init(address="auto")
-            return False
-        except ConnectionError:
-            address = "local"
+    address = address or "local"
     ray.init(address=address)
     return address == "local"
 
@@ -77,7 +75,8 @@ def serve_forever(
     port: int | None = None,
 ) -> None:
     """`cluster serve`: deploy, print the URL, serve until Ctrl-C or SIGTERM, then shut
-    down cleanly."""
+    down cleanly: Serve and Ray when this process started Ray, otherwise only the
+    application it deployed (the cluster and its other applications stay as they were)."""
     manifest.check_model()  # a bad manifest fails here, before Ray or any actor starts
     _stop_on_signals()
     started = connect_ray(address)
@@ -91,6 +90,9 @@ def serve_forever(
         print("shutting down", flush=True)
     finally:
         with contextlib.suppress(Exception):
-            serve.shutdown()
+            if started:
+                serve.shutdown()
+            else:
+                serve.delete(manifest.app_name)
         if started:
             ray.shutdown()
