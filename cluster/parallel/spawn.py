@@ -6,10 +6,13 @@ offline engine). The rendezvous address takes a free port found at run time.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import socket
+import sys
 import traceback
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,6 +23,24 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def main_script_hidden() -> Iterator[None]:
+    """While processes start inside this block, they do not re-run the parent's script.
+
+    A spawned process normally imports the parent's `__main__` again (as `__mp_main__`),
+    so a script that builds a multi-rank engine at module level, without an
+    `if __name__ == "__main__":` guard, would build it again in every rank and die. Our
+    ranks' entry points live in this package and need nothing from the script, so
+    multiprocessing is shown an empty `__main__` while it records what to prepare.
+    """
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _run_rank(

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import traceback
+import weakref
 from typing import Any
 
 import msgpack
@@ -18,7 +20,7 @@ import torch.multiprocessing as mp
 from cluster.config import EngineConfig
 from cluster.engine.executor import Executor, PendingOutput
 from cluster.engine.messages import ModelRunnerOutput, SchedulerOutput
-from cluster.parallel.spawn import free_port
+from cluster.parallel.spawn import free_port, main_script_hidden
 from cluster.worker.worker import Worker
 
 
@@ -50,9 +52,12 @@ class InProcessExecutor(Executor):
 def _worker_loop(
     config_json: str, rank: int, init_method: str, conn: Any, torch_threads: int
 ) -> None:
-    """Serve calls `{"method": ..., "arg": ...}` until "shutdown"; reply `{"ok", "value"}`."""
+    """Serve calls `{"method": ..., "arg": ...}` until "shutdown" or until the parent is
+    gone (its end of the pipe closed); reply `{"ok", "value"}`. Leaving is silent."""
     # Ranks share this machine's cores: more threads than cores makes every rank crawl.
     torch.set_num_threads(torch_threads)
+    # Ctrl-C reaches the whole process group: the parent decides when ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker = None
     try:
         worker = Worker(EngineConfig.model_validate_json(config_json), rank, init_method)
@@ -63,14 +68,19 @@ def _worker_loop(
                 break
             try:
                 value = getattr(worker, call["method"])(*call["args"])
-                conn.send_bytes(msgpack.packb({"ok": True, "value": value}))
+                reply = {"ok": True, "value": value}
             except Exception:
-                conn.send_bytes(msgpack.packb({"ok": False, "value": traceback.format_exc()}))
+                reply = {"ok": False, "value": traceback.format_exc()}
+            conn.send_bytes(msgpack.packb(reply))
+    except (EOFError, OSError):  # the parent exited or closed the pipe: nobody to tell
+        pass
     except Exception:
-        conn.send_bytes(msgpack.packb({"ok": False, "value": traceback.format_exc()}))
+        with contextlib.suppress(OSError):
+            conn.send_bytes(msgpack.packb({"ok": False, "value": traceback.format_exc()}))
     finally:
         if worker is not None:
-            worker.shutdown()
+            with contextlib.suppress(Exception):
+                worker.shutdown()
         conn.close()
 
 
@@ -90,10 +100,14 @@ class MultiprocExecutor(Executor):
                 args=(config.model_dump_json(), rank, init_method, child, torch_threads),
                 daemon=True,
             )
-            proc.start()
+            with main_script_hidden():
+                proc.start()
             child.close()  # so a dead worker reads as EOF here, not as silence
             self.conns.append(parent)
             self.procs.append(proc)
+        # An engine left open until the interpreter exits still stops its ranks in order
+        # (before multiprocessing terminates them mid-call), quietly.
+        self._finalizer = weakref.finalize(self, _stop_ranks, self.conns, self.procs)
         self._read_round()  # every rank has loaded its shard
         # Calls are answered in order; replies read ahead (a pending step's, while another
         # call waits) are kept by call number until their caller asks.
@@ -163,11 +177,16 @@ class MultiprocExecutor(Executor):
             raise RuntimeError(f"worker ranks {dead} are dead")
 
     def shutdown(self) -> None:
-        for conn in self.conns:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                conn.send_bytes(msgpack.packb({"method": "shutdown", "args": []}))
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-        self.conns, self.procs = [], []
+        self._finalizer()
+
+
+def _stop_ranks(conns: list[Any], procs: list[Any]) -> None:
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.send_bytes(msgpack.packb({"method": "shutdown", "args": []}))
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    for conn in conns:
+        conn.close()
