@@ -139,3 +139,30 @@ def test_the_check_has_power(models):
     buggy = overlap + (1 - overlap.sum(-1, keepdim=True)) * p
     counts = (first[:, None] * buggy * N).round()
     assert _p_value(counts, exact) < 1e-6
+
+
+@pytest.mark.parametrize("draft_sampling", ["sample", "greedy"])
+def test_a_seeded_request_is_the_same_alone_and_in_any_batch(models, draft_sampling):
+    """Sampled drafts draw from the request's own draft generator (an independent stream
+    from the verifier's): neighbours, seeded or not, change nothing."""
+    target, _, draft = models
+    spec = {
+        "method": "draft_model",
+        "model": draft,
+        "num_speculative_tokens": 3,
+        "draft_sampling": draft_sampling,
+    }
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=24, ignore_eos=True)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    other_seed = SamplingParams(temperature=0.7, seed=5, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in (PROMPT, [3, 4], PROMPT, [5, 6, 7])]
+    with LLM(target, speculative_config=spec, **ENGINE) as llm:
+        alone = llm.generate(prompts[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
+        for batch_params in (
+            [seeded, unseeded, other_seed, unseeded],  # PROMPT is at 0 and 2
+            [other_seed, unseeded, seeded, unseeded],
+        ):
+            outs = llm.generate(prompts, batch_params, use_tqdm=False)
+            mine = batch_params.index(seeded)
+            assert outs[mine].outputs[0].token_ids == alone
+            assert llm.get_metrics()["num_draft_tokens"] > 0

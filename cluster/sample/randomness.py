@@ -79,3 +79,10 @@ def draw_inv_exponentials(
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def draft_seed(seed: int) -> int:
+    """The seed of a request's draft generator, derived from its own seed but distinct
+    from it: drafts and the verifier must draw independently (the same stream twice would
+    correlate a draft with the uniform that judges it)."""
+    return (seed * 6364136223846793005 + 1442695040888963407) % 2**64

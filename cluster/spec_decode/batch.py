@@ -25,6 +25,9 @@ class ProposalBatch:
     next_token_ids: list[int]  # [batch]
     sampled: list[bool]  # [batch]
     params: list[SamplingParams]  # [batch]
+    # batch index -> the request's draft generator (seeded sampled requests only), so a
+    # seeded request's drafts do not depend on what else is in the batch
+    draft_generators: dict[int, torch.Generator]
     # [batch] prompt + output ids after this step (only for proposers that ask for it)
     token_history: list[list[int]]
     input_ids: torch.Tensor  # [num_tokens] the target step's token ids

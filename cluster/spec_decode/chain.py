@@ -9,11 +9,12 @@ tokens stay on the device until the chain ends: one transfer returns them all.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
 from cluster.models.attention import AttentionMetadata, KVCache, attention_context
+from cluster.sample.randomness import draw_inv_exponentials
 from cluster.sampling_params import SamplingParams
 
 # forward(input_ids [n], hidden [n, H] | None, positions [n], step)
@@ -28,9 +29,11 @@ def choose_tokens(
     logits: torch.Tensor,  # [n, vocab]
     params: list[SamplingParams],
     sample: bool,
+    generators: Mapping[int, torch.Generator],  # row -> its request's draft generator
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Argmax drafts, or (with `sample`) drafts drawn from softmax(logits / T) for requests
-    with temperature > 0. Returns (token ids [n], the sampling distributions [n, vocab] or None)."""
+    with temperature > 0, seeded rows from their own generator. Returns (token ids [n],
+    the sampling distributions [n, vocab] or None)."""
     tokens = logits.argmax(dim=-1)
     if not sample or all(p.is_greedy for p in params):
         return tokens, None
@@ -38,7 +41,10 @@ def choose_tokens(
         [1.0 if p.is_greedy else p.temperature for p in params], device=logits.device
     )
     probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
-    drawn = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+    inv_exp = draw_inv_exponentials(
+        [not p.is_greedy for p in params], generators, probs.shape[1], probs.device
+    )
+    drawn = (probs * inv_exp).argmax(dim=-1)
     greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
     tokens = torch.where(greedy, tokens, drawn)
     probs = torch.where(
@@ -58,6 +64,7 @@ def run_chain(
     block_size: int,
     kv_cache: KVCache,
     params: list[SamplingParams],
+    generators: Mapping[int, torch.Generator],  # request (row of first_tokens) -> generator
     k: int,
     sample: bool,
 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -95,7 +102,8 @@ def run_chain(
         )
         with attention_context(meta):
             logits, hidden = step_fn(tokens, hidden, pos, step)
-        tokens, step_probs = choose_tokens(logits, [params[i] for i in active], sample)
+        rows = {j: generators[i] for j, i in enumerate(active) if i in generators}
+        tokens, step_probs = choose_tokens(logits, [params[i] for i in active], sample, rows)
         row = torch.full((n,), -1, dtype=tokens.dtype, device=device)
         row[active] = tokens
         passes.append(row)

@@ -76,8 +76,13 @@ class DraftModelProposer:
             return result
         last_rows = tensor([starts[i + 1] - 1 for i in drafting])
         params = [batch.params[i] for i in drafting]
+        generators = {
+            j: batch.draft_generators[i]
+            for j, i in enumerate(drafting)
+            if i in batch.draft_generators
+        }
         tokens, probs = choose_tokens(
-            self.model.compute_logits(hidden[last_rows]), params, self.sample
+            self.model.compute_logits(hidden[last_rows]), params, self.sample, generators
         )
 
         def step_fn(tokens, hidden, positions, step):
@@ -94,6 +99,7 @@ class DraftModelProposer:
             self.block_size,
             self.kv_cache,
             params,
+            generators,
             k,
             self.sample,
         )

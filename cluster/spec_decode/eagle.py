@@ -103,8 +103,13 @@ class EagleProposer:
             return empty
         last_rows = torch.tensor([starts[i + 1] - 1 for i in drafting], device=ids.device)
         params = [batch.params[i] for i in drafting]
+        generators = {
+            j: batch.draft_generators[i]
+            for j, i in enumerate(drafting)
+            if i in batch.draft_generators
+        }
         logits = self.draft.compute_logits(logits_hidden[last_rows], 0)
-        tokens, probs = choose_tokens(logits, params, self.sample)
+        tokens, probs = choose_tokens(logits, params, self.sample, generators)
 
         def step_fn(tokens, hidden, positions, step):
             logits_hidden, next_hidden = self._forward(tokens, hidden, positions, step)
@@ -121,6 +126,7 @@ class EagleProposer:
             self.block_size,
             self.kv_cache,
             params,
+            generators,
             k,
             self.sample,
         )

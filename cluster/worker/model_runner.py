@@ -35,6 +35,7 @@ from cluster.sample import (
     SamplingMetadata,
     SpecDecodeMetadata,
 )
+from cluster.sample.randomness import draft_seed
 from cluster.sampling_params import SamplingParams
 from cluster.spec_decode.batch import ProposalBatch
 from cluster.worker.input_batch import ModelInputs, prepare_inputs
@@ -47,7 +48,8 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # the verifier's and sampler's draws
+    draft_generator: torch.Generator | None  # sampled drafts' draws (an independent stream)
     block_ids: list[int] = field(default_factory=list)
     # The distributions the pending drafts were drawn from ([k, vocab]); None: argmax drafts.
     draft_probs: torch.Tensor | None = None
@@ -129,11 +131,18 @@ class ModelRunner:
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         params = new.sampling_params
-        generator = None
+        generator = draft_generator = None
         if params.seed is not None and not params.is_greedy:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            draft_generator = torch.Generator(device=self.device)
+            draft_generator.manual_seed(draft_seed(params.seed))
         return CachedRequestState(
-            new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), params, generator
+            new.req_id,
+            list(new.prompt_token_ids),
+            list(new.output_token_ids),
+            params,
+            generator,
+            draft_generator,
         )
 
     @torch.inference_mode()
@@ -270,6 +279,9 @@ class ModelRunner:
             next_token_ids=next_ids,
             sampled=[s.req_id in sampled for s in scheduled],
             params=[st.sampling_params for st in states],
+            draft_generators={
+                i: st.draft_generator for i, st in enumerate(states) if st.draft_generator
+            },
             token_history=(
                 [st.prompt_token_ids + st.output_token_ids for st in states]
                 if getattr(self.proposer, "needs_token_history", False)
