@@ -15,7 +15,6 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cluster.parallel.pipeline import stage_layer_counts
 from cluster.speculative_config import SpeculativeConfig
 
 DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
@@ -25,6 +24,33 @@ _TORCH_DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+
+def stage_layer_counts(
+    num_layers: int, pp_size: int, partition: tuple[int, ...] | None = None
+) -> tuple[int, ...]:
+    """Layers per stage: `partition` when given (checked), else an even split with the
+    remainder going to the earliest stages (the last stage also runs the LM head and
+    the draft, so it gets no extra layer)."""
+    if partition is not None:
+        if len(partition) != pp_size:
+            raise ValueError(
+                f"parallel.pipeline_layer_partition={list(partition)} has {len(partition)} "
+                f"entries; pipeline_parallel_size={pp_size} needs one per stage"
+            )
+        if any(n < 1 for n in partition) or sum(partition) != num_layers:
+            raise ValueError(
+                f"parallel.pipeline_layer_partition={list(partition)} must give every stage "
+                f"at least one layer and sum to the model's num_hidden_layers={num_layers}"
+            )
+        return tuple(partition)
+    if pp_size > num_layers:
+        raise ValueError(
+            f"parallel.pipeline_parallel_size={pp_size} exceeds the model's "
+            f"num_hidden_layers={num_layers}"
+        )
+    base, extra = divmod(num_layers, pp_size)
+    return tuple(base + (1 if stage < extra else 0) for stage in range(pp_size))
 
 
 class _Frozen(BaseModel):

@@ -71,9 +71,9 @@ class LLM:
         """The engine a Serve manifest describes, in this process (same model, parallelism,
         cache, scheduler and speculation). Any engine argument can be overridden;
         `speculative_config=None` turns speculation off."""
-        from cluster.serve.manifest import load_manifest
+        from cluster.serve.manifest import read_manifest_args  # imports no Ray
 
-        engine_args = load_manifest(path).args.engine_args()
+        engine_args = read_manifest_args(path).engine_args()
         engine_args.update(overrides)
         return cls(**engine_args)
 

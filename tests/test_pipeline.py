@@ -8,10 +8,10 @@ from forward_helpers import prefill
 from tiny_models import VARIANTS, hf_logits, make_tiny_chat_model, make_tiny_llama
 
 from cluster import LLM, SamplingParams
-from cluster.config import ModelConfig, SpeculativeConfig
+from cluster.config import ModelConfig, SpeculativeConfig, stage_layer_counts
 from cluster.models.loader import load_draft_head, load_model
 from cluster.parallel import ParallelState
-from cluster.parallel.pipeline import StageActivations, stage_layer_counts
+from cluster.parallel.pipeline import StageActivations
 from cluster.spec_decode.random_heads import write_all, write_eagle
 
 TOL = 1e-4

@@ -8,7 +8,6 @@ This package and `cluster.serve` are the only places that import Ray.
 from cluster.actors.client import EngineClient
 from cluster.actors.placement import (
     ACTOR_NAMESPACE,
-    PlacementConfig,
     WorkerSlot,
     create_placement_group,
     rank_order,
@@ -16,6 +15,7 @@ from cluster.actors.placement import (
 from cluster.actors.ray_executor import RayExecutor
 from cluster.actors.scheduler_actor import SchedulerActor
 from cluster.actors.worker_actor import WorkerActor
+from cluster.placement_config import PlacementConfig
 
 __all__ = [
     "ACTOR_NAMESPACE",

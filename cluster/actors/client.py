@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from cluster.actors.placement import ACTOR_NAMESPACE, PlacementConfig, bundle_strategy
+from cluster.actors.placement import ACTOR_NAMESPACE, bundle_strategy
 from cluster.actors.scheduler_actor import SchedulerActor
 from cluster.actors.wire import EngineStats, OutputBatch, encode_request
 from cluster.config import EngineConfig
@@ -38,6 +38,7 @@ from cluster.engine.input_processor import Prompt, check_params, process_prompt
 from cluster.engine.output_processor import OutputProcessor, RequestState
 from cluster.engine.request import Request
 from cluster.outputs import RequestOutput
+from cluster.placement_config import PlacementConfig
 from cluster.sampling_params import SamplingParams
 
 BatchObserver = Callable[[OutputBatch], None]

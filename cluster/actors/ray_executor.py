@@ -26,7 +26,6 @@ from ray.util.placement_group import get_current_placement_group, remove_placeme
 
 from cluster.actors.placement import (
     ACTOR_NAMESPACE,
-    PlacementConfig,
     WorkerSlot,
     bundle_strategy,
     create_placement_group,
@@ -37,6 +36,7 @@ from cluster.actors.worker_actor import WorkerActor
 from cluster.config import EngineConfig
 from cluster.engine.executor import Executor, PendingOutput
 from cluster.engine.messages import ModelRunnerOutput, SchedulerOutput
+from cluster.placement_config import PlacementConfig
 
 logger = logging.getLogger(__name__)
 

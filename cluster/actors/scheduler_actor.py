@@ -24,12 +24,12 @@ from typing import Any
 
 import ray
 
-from cluster.actors.placement import PlacementConfig
 from cluster.actors.ray_executor import RayExecutor
 from cluster.actors.wire import EngineStats, OutputBatch, decode_request
 from cluster.config import EngineConfig
 from cluster.engine.core import EngineCore
 from cluster.engine.messages import EngineCoreOutput
+from cluster.placement_config import PlacementConfig
 
 # How many aborts of not-yet-added request ids the scheduler remembers.
 _MAX_REMEMBERED_ABORTS = 4096

@@ -1,25 +1,34 @@
 """Ray Serve: the `LLMServer` deployment (one engine per replica), the OpenAI-compatible
-ingress, manifests and the `build_app` builder they import (`cluster.serve:build_app`)."""
+ingress, manifests and the `build_app` builder they import (`cluster.serve:build_app`).
 
-from cluster.serve.args import ClusterArgs, ModelArgs, ServerArgs
-from cluster.serve.builder import build_app, build_llm_app, build_openai_app
-from cluster.serve.manifest import Manifest, ManifestError, load_manifest, validate_manifest
-from cluster.serve.protocol import ChatMessage, GenerateOutput, GenerateRequest
-from cluster.serve.server import LLMServer
+Names load on first use, so that reading a manifest's args (`cluster.serve.manifest`,
+`cluster.serve.args`) imports no Ray.
+"""
 
-__all__ = [
-    "ChatMessage",
-    "ClusterArgs",
-    "GenerateOutput",
-    "GenerateRequest",
-    "LLMServer",
-    "Manifest",
-    "ManifestError",
-    "ModelArgs",
-    "ServerArgs",
-    "build_app",
-    "build_llm_app",
-    "build_openai_app",
-    "load_manifest",
-    "validate_manifest",
-]
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "ChatMessage": "protocol",
+    "ClusterArgs": "args",
+    "GenerateOutput": "protocol",
+    "GenerateRequest": "protocol",
+    "LLMServer": "server",
+    "Manifest": "manifest",
+    "ManifestError": "manifest",
+    "ModelArgs": "args",
+    "ServerArgs": "args",
+    "build_app": "builder",
+    "build_llm_app": "builder",
+    "build_openai_app": "builder",
+    "load_manifest": "manifest",
+    "validate_manifest": "manifest",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'cluster.serve' has no attribute {name!r}")
+    return getattr(import_module(f"cluster.serve.{_EXPORTS[name]}"), name)

@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cluster.actors.placement import PlacementConfig
 from cluster.config import (
     CacheConfig,
     CompileConfig,
@@ -24,6 +23,7 @@ from cluster.config import (
     SchedulerConfig,
     engine_config_from_args,
 )
+from cluster.placement_config import PlacementConfig
 
 Device = Literal["auto", "cpu", "cuda"]
 

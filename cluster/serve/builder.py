@@ -19,11 +19,10 @@ from ray import serve
 from ray.serve import Application
 
 from cluster.serve.args import ClusterArgs
+from cluster.serve.manifest import INGRESS_DEPLOYMENT, LLM_DEPLOYMENT
 from cluster.serve.openai_app import make_ingress_class
 from cluster.serve.server import LLMServer
 
-LLM_DEPLOYMENT = "LLMServer"
-INGRESS_DEPLOYMENT = "OpenAIIngress"
 # An engine that failed to load will not load on the 20th try (Serve's default) either.
 MAX_CONSTRUCTOR_RETRIES = 3
 

@@ -6,6 +6,9 @@ our `args` (unknown keys, k = 0, ...), and the `deployments:` overrides (known n
 keys; the engine's placement is set in `args.placement`, never in `ray_actor_options` or
 `placement_group_*`, which would break the replica-in-bundle-0 layout). `check_model`
 adds the checks that read the checkpoint. All of it runs before any actor starts.
+
+Importing this module imports no Ray (Serve's schema is read only when a manifest is
+validated for serving), so `read_manifest_args` serves the offline `LLM.from_manifest`.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import yaml
 from pydantic import ValidationError
 
 from cluster.serve.args import ClusterArgs
-from cluster.serve.builder import INGRESS_DEPLOYMENT, LLM_DEPLOYMENT, prepare_args
 
 IMPORT_PATH = "cluster.serve:build_app"
+LLM_DEPLOYMENT = "LLMServer"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
 _ENGINE_OWNED = ("ray_actor_options", "placement_group_bundles", "placement_group_strategy")
 
 
@@ -51,6 +55,8 @@ class Manifest:
 
     def check_model(self) -> ClusterArgs:
         """The model checks (reads config.json); raises ManifestError."""
+        from cluster.serve.builder import prepare_args
+
         try:
             return prepare_args(self.args)
         except ValueError as e:
@@ -101,13 +107,7 @@ def parse_manifest(config: dict[str, Any], path: str = "<manifest>") -> Manifest
         ServeDeploySchema.model_validate(config)
     except ValidationError as e:
         raise ManifestError(f"{path}: not a valid Serve config:\n{e}") from None
-    apps = [a for a in config["applications"] if a.get("import_path") == IMPORT_PATH]
-    if len(apps) != 1:
-        raise ManifestError(
-            f"{path}: expected exactly one application with import_path {IMPORT_PATH!r}, "
-            f"found {len(apps)}"
-        )
-    app = apps[0]
+    app = _our_application(config, path)
     raw_args = app.get("args") or {}
     deployments: dict[str, dict[str, Any]] = {}
     for entry in app.get("deployments") or []:
@@ -125,12 +125,32 @@ def parse_manifest(config: dict[str, Any], path: str = "<manifest>") -> Manifest
     )
 
 
-def load_manifest(path: str) -> Manifest:
+def _our_application(config: dict[str, Any], path: str) -> dict[str, Any]:
+    apps = [a for a in config.get("applications") or [] if a.get("import_path") == IMPORT_PATH]
+    if len(apps) != 1:
+        raise ManifestError(
+            f"{path}: expected exactly one application with import_path {IMPORT_PATH!r}, "
+            f"found {len(apps)}"
+        )
+    return apps[0]
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
     with open(path) as f:
         config = yaml.safe_load(f)
     if not isinstance(config, dict):
         raise ManifestError(f"{path}: expected a YAML mapping with 'applications'")
-    return parse_manifest(config, path)
+    return config
+
+
+def load_manifest(path: str) -> Manifest:
+    return parse_manifest(_read_yaml(path), path)
+
+
+def read_manifest_args(path: str) -> ClusterArgs:
+    """Only the application's `args`, validated, without Ray (for the offline engine)."""
+    config = _read_yaml(path)
+    return _validate_args(_our_application(config, path).get("args") or {}, path)
 
 
 def validate_manifest(path: str) -> tuple[Manifest, bool]:

@@ -43,7 +43,8 @@ def generate_answers(
     samples = _read_samples(out_file)
     if len(samples) >= len(prompts):
         return samples[: len(prompts)]
-    from cluster import LLM, SamplingParams
+    from cluster.llm import LLM
+    from cluster.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     with LLM(target_path, dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs) as llm:

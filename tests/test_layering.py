@@ -1,0 +1,114 @@
+"""The package's layering, as `docs/architecture.md` draws it: every import of ours (those
+inside functions too) goes to a package that the importer's row of the table allows; Ray
+and Triton stay where the table says; the offline API runs without importing Ray."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+
+import cluster
+
+ROOT = os.path.dirname(cluster.__file__)
+DOC = os.path.join(os.path.dirname(ROOT), "docs", "architecture.md")
+RAY_UNITS = {"actors", "serve", "cli", "demo"}
+TRITON_UNITS = {"kernels"}
+
+
+def _unit(name: str) -> str:
+    """`cluster/serve/` or `speculative_config.py` or `cluster.serve.x` -> its unit."""
+    name = name.strip("`").removeprefix("cluster/").removeprefix("cluster.").rstrip("/")
+    if name in ("cluster", "__init__.py"):
+        return "__init__"
+    return name.removesuffix(".py").split("/")[0].split(".")[0]
+
+
+def layering_table() -> dict[str, set[str]]:
+    """unit -> what it may import (units, or `unit.module` for one module; `*` for all)."""
+    with open(DOC) as f:
+        text = f.read()
+    section = text[text.index("## Packages") : text.index("## Rules")]
+    table: dict[str, set[str]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`cluster"):
+            continue
+        units = {_unit(u) for u in re.findall(r"`[^`]+`", cells[0])}
+        allowed = {a.strip("`").removeprefix("cluster.") for a in re.findall(r"`[^`]+`", cells[2])}
+        for u in units:
+            table[u] = allowed | units
+    return table
+
+
+def imports() -> list[tuple[str, str, str]]:
+    """(importing module, its unit, imported module) for every import in the package."""
+    found = []
+    for folder, _, files in os.walk(ROOT):
+        for file in files:
+            if not file.endswith(".py"):
+                continue
+            path = os.path.join(folder, file)
+            module = "cluster." + os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+            unit = _unit(module) if module.count(".") > 1 or file != "__init__.py" else "__init__"
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    found += [(module, unit, a.name) for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    assert node.level == 0, f"{module}: use absolute imports"
+                    found.append((module, unit, node.module or ""))
+    return found
+
+
+def test_the_table_covers_every_package():
+    table = layering_table()
+    units = {u for _, u, _ in imports()}
+    assert units <= set(table), f"packages missing from docs/architecture.md: {units - set(table)}"
+
+
+def test_imports_follow_the_table():
+    table = layering_table()
+    wrong = []
+    for module, unit, target in imports():
+        if not target.startswith("cluster.") or "*" in table[unit]:
+            continue
+        name = target.removeprefix("cluster.")
+        if _unit(name) == unit:
+            continue
+        allowed = table[unit]
+        if _unit(name) not in allowed and not any(
+            name.startswith(a + ".") or name == a for a in allowed
+        ):
+            wrong.append(f"{module} imports {target}")
+    assert not wrong, "imports the table in docs/architecture.md does not allow:\n" + "\n".join(
+        wrong
+    )
+
+
+def test_ray_and_triton_stay_in_their_packages():
+    wrong = []
+    for module, unit, target in imports():
+        top = target.split(".")[0]
+        if (top == "ray" and unit not in RAY_UNITS) or (
+            top == "triton" and unit not in TRITON_UNITS
+        ):
+            wrong.append(f"{module} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_offline_api_imports_no_ray(tmp_path):
+    manifest = os.path.join(os.path.dirname(ROOT), "manifests", "default.yaml")
+    code = (
+        "import sys\n"
+        "import cluster, cluster.llm, cluster.engine.async_llm, cluster.worker.executors\n"
+        "from cluster.serve.manifest import read_manifest_args\n"
+        f"read_manifest_args({manifest!r}).engine_args()\n"
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
