@@ -10,12 +10,11 @@ from tqdm import tqdm
 from cluster.config import EngineConfig, engine_config_from_args
 from cluster.engine.core import EngineCore
 from cluster.engine.executor import Executor
+from cluster.engine.frontend import ChatMessages
 from cluster.engine.input_processor import Prompt
 from cluster.engine.llm_engine import LLMEngine
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
-
-ChatMessages = list[dict[str, str]]
 
 
 def make_executor(config: EngineConfig) -> Executor:
@@ -128,23 +127,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tokenizer = self.get_tokenizer()
-        prompts = [
-            {
-                "prompt_token_ids": list(
-                    tokenizer.apply_chat_template(
-                        conv,
-                        add_generation_prompt=add_generation_prompt,
-                        tokenize=True,
-                        return_dict=False,
-                    )
-                ),
-                "prompt": tokenizer.apply_chat_template(
-                    conv, add_generation_prompt=add_generation_prompt, tokenize=False
-                ),
-            }
-            for conv in conversations
-        ]
+        frontend = self.engine.frontend
+        prompts = [frontend.chat_prompt(conv, add_generation_prompt) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -15,10 +15,11 @@ from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
 from cluster.actors import EngineClient, PlacementConfig, RayExecutor
-from cluster.actors.client import _newest, detached
+from cluster.actors.client import detached
 from cluster.actors.ray_executor import _process_exists
 from cluster.config import engine_config_from_args
-from cluster.engine.async_llm import EngineDeadError
+from cluster.engine.errors import EngineDeadError
+from cluster.engine.frontend import _newest
 from cluster.llm import build_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

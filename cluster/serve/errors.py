@@ -53,7 +53,7 @@ def classify(exc: BaseException) -> tuple[int, str, str]:
     import ray
     from ray.serve.exceptions import BackPressureError
 
-    from cluster.engine.async_llm import EngineDeadError
+    from cluster.engine.errors import EngineDeadError
 
     cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
     if isinstance(cause, ServeError):

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from ray.util.placement_group import get_current_placement_group
 
 from cluster.actors.client import EngineClient
-from cluster.engine.async_llm import EngineDeadError
+from cluster.engine.errors import EngineDeadError
 from cluster.engine.input_processor import Prompt
 from cluster.serve.args import ClusterArgs
 from cluster.serve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
@@ -120,18 +120,7 @@ class LLMServer:
             return request.prompt
         if request.prompt_token_ids is not None:
             return {"prompt_token_ids": request.prompt_token_ids}
-        tokenizer = self.engine.tokenizer
-        messages = [m.model_dump() for m in request.messages or []]
-        try:
-            ids = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as e:  # a template may reject a conversation (e.g. role order)
-            raise ValueError(f"the chat template refused the messages: {e}") from e
-        return {"prompt_token_ids": list(ids), "prompt": text}
+        return self.engine.frontend.chat_prompt([m.model_dump() for m in request.messages or []])
 
     def _record(
         self, outcome: str, last: GenerateOutput | None, start: float, first: float | None
