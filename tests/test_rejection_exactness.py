@@ -110,7 +110,7 @@ def acceptance_tolerance(rate: float) -> float:
 
 
 def test_worked_example_with_draft_probabilities():
-    """seed-notes §2: q = (A .5, B .1, C .4), p = (.5, .3, .2): acceptance 0.8, and every
+    """The textbook case: q = (A .5, B .1, C .4), p = (.5, .3, .2): acceptance 0.8, and every
     rejection recovers B, so P(B) = 0.1 + 0.2 = 0.3."""
     q = torch.tensor([[0.5, 0.1, 0.4]])
     p = torch.tensor([[0.5, 0.3, 0.2]])
@@ -123,7 +123,7 @@ def test_worked_example_with_draft_probabilities():
 
 
 def test_worked_example_with_delta_draft():
-    """seed-notes §2: p = (A .1, B .2, C .3, D .4), draft B with no q: acceptance 0.2, and the
+    """No draft probabilities: p = (A .1, B .2, C .3, D .4), draft B with no q: acceptance 0.2, and the
     recovered token follows {A .125, C .375, D .5}."""
     p = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
     always_b = torch.tensor([[0.0, 1.0, 0.0, 0.0]])

@@ -1,6 +1,6 @@
 """Rejection sampling in plain torch: the vectorised CPU path and the oracle for the Triton kernels.
 
-Glossary (Leviathan et al., arXiv:2211.17192; design/seed-notes.md §2):
+Glossary (Leviathan et al., arXiv:2211.17192, Algorithm 1 and Appendix A.1):
 - draft tokens: proposed by the drafter; request `i` owns `draft_token_ids[cu[i]:cu[i + 1]]`.
 - accepted tokens: the longest prefix of a request's drafts that passes verification. A
   greedy draft passes when it equals the target argmax; a random draft `d` passes when

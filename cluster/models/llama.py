@@ -174,6 +174,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # The checkpoint tensor of the token embedding (a draft on the last stage may need it).
+    embedding_checkpoint_name = "model.embed_tokens.weight"
+
     # checkpoint name piece -> (our parameter name piece, shard id)
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),

@@ -2,8 +2,8 @@
 
 Every checkpoint tensor is handed to its parameter's `weight_loader` as a
 `LazyTensor`, so each rank reads only the slice it keeps. The model declares
-its name mapping (`packed_modules_mapping`, `ignored_checkpoint_tensors`); this
-file knows nothing about any architecture.
+its name mapping (`packed_modules_mapping`, `ignored_checkpoint_tensors`,
+`embedding_checkpoint_name`); this file knows no architecture's names.
 """
 
 from __future__ import annotations
@@ -161,5 +161,5 @@ def _load_embedding_on_last_stage(target: nn.Module, path: str) -> None:
         embed,
         path,
         show_progress=False,
-        rename=lambda name: "weight" if name == "model.embed_tokens.weight" else None,
+        rename=lambda name: "weight" if name == target.embedding_checkpoint_name else None,
     )

@@ -1,6 +1,6 @@
 """Lossless speculative decoding: `rejection_sample` and the `RejectionSampler` module.
 
-`rejection_sample` verifies drafts against target distributions (design/seed-notes.md §2;
+`rejection_sample` verifies drafts against target distributions (Leviathan et al.;
 glossary in `cluster/kernels/rejection_ref.py`): it checks its arguments, draws the random
 numbers (none for greedy requests; a seeded request draws only from its own generator), and
 runs the Triton kernels or the vectorised torch path on them.
