@@ -20,7 +20,7 @@ def _convert(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     from cluster.demo import run_demo
 
-    run_demo(max_new_tokens=args.max_tokens, prompts=args.prompt or None)
+    run_demo(max_new_tokens=args.max_tokens, prompts=args.prompt or None, verbose=args.verbose)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     demo = sub.add_parser("demo", help="answer a few chat prompts with the embedded default model")
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    demo.add_argument(
+        "--verbose", action="store_true", help="show Ray's and Serve's logs and the actors' output"
+    )
     demo.set_defaults(func=_demo)
 
     sub.add_parser(

@@ -5,11 +5,14 @@ shipped EAGLE-3 head), streams a few chat answers through the Serve handle, then
 the same manifest with speculation off, sends the same prompts, and prints a table:
 tokens/s with and without speculation, acceptance rate, mean acceptance length and
 per-position acceptance.
+
+It prints its own progress, the answers and the table; Ray's and Serve's logs appear at
+WARNING and above (all of them, and the actors' output, with `verbose`).
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import os
 import time
 
@@ -54,21 +57,45 @@ def _run_prompts(handle, prompts: list[str], max_new_tokens: int, show: bool) ->
 
 
 def run_demo(
-    max_new_tokens: int = 64, prompts: list[str] | None = None, manifest_path: str | None = None
+    max_new_tokens: int = 64,
+    prompts: list[str] | None = None,
+    manifest_path: str | None = None,
+    verbose: bool = False,
 ) -> None:
     import ray
     from ray import serve
 
-    from cluster.serve.launch import connect_ray, deploy
+    from cluster.serve.launch import deploy
     from cluster.serve.manifest import load_manifest
 
     prompts = prompts or DEMO_PROMPTS
-    manifest = load_manifest(manifest_path or default_manifest_path())
-    started = connect_ray("local")
+    path = manifest_path or default_manifest_path()
+    manifest = load_manifest(path)
+    level = logging.INFO if verbose else logging.WARNING
+    print(f"starting a local Ray for {os.path.relpath(path)}", flush=True)
+    ray.init(
+        address="local",
+        logging_level=level,
+        log_to_driver=verbose,
+        include_dashboard=verbose,
+    )
+    logging.getLogger("ray.serve").setLevel(level)
     rows = []
+    port = None
     try:
         for label, m in (("on", manifest), ("off", manifest.with_args(speculative=None))):
-            deploy(m)
+            compiling = os.environ.get("CLUSTER_COMPILE", "auto") != "off"
+            note = (
+                " (the first start compiles the model for a few token counts: minutes on "
+                "2 cores, cached afterwards)"
+                if compiling
+                else ""
+            )
+            print(f"deploying the engine with speculation {label}{note}", flush=True)
+            start = time.perf_counter()
+            _, url = deploy(m, port=port)
+            port = int(url.rsplit(":", 1)[1].split("/")[0])  # the second app reuses it
+            print(f"ready in {time.perf_counter() - start:.0f} s", flush=True)
             handle = serve.get_deployment_handle("LLMServer", app_name=m.app_name)
             _run_prompts(handle, prompts[:1], 4, show=False)  # warm-up
             tokens, seconds = _run_prompts(handle, prompts, max_new_tokens, show=label == "on")
@@ -76,10 +103,7 @@ def run_demo(
             rows.append((label, tokens / seconds, spec))
             serve.delete(m.app_name)
     finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        if started:
-            ray.shutdown()
+        ray.shutdown()  # this process started Ray: stopping it stops Serve with it
     method = (manifest.args.speculative or {}).get("method", "-")
     print(f"\nspeculation: {manifest.args.speculative}\n")
     print(

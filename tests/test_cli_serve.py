@@ -108,3 +108,34 @@ def test_two_cluster_serves_each_run_their_own_ray_and_stop_on_ctrl_c(tmp_path, 
         first.kill()
         if second is not None:
             second.kill()
+
+
+def test_demo_prints_progress_answers_and_the_table_and_little_else(tmp_path, smollm2_path):
+    """The main job's output, on a tiny model: its own lines, no Ray or Serve INFO logs,
+    no actor output, no warnings at shutdown."""
+    model = str(tmp_path / "m")
+    make_tiny_chat_model(model, smollm2_path, num_hidden_layers=2)
+    args = {
+        "model": {"path": model, "id": "tiny", "device": "cpu", "dtype": "float32"},
+        "placement": {"worker_cpus": 0.5, "threads_per_worker": 1},
+        "cache": {"num_kv_blocks": 64},
+        "speculative": {"method": "ngram", "num_speculative_tokens": 3},
+    }
+    app = {"name": "demo", "import_path": "cluster.serve:build_app", "args": args}
+    manifest = tmp_path / "demo.yaml"
+    manifest.write_text(yaml.safe_dump({"applications": [app]}))
+    code = (
+        "from cluster.demo import run_demo; "
+        f"run_demo(max_new_tokens=4, prompts=['Hi'], manifest_path={str(manifest)!r})"
+    )
+    env = {**os.environ, "CLUSTER_COMPILE": "off"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "| on (ngram) |" in done.stdout and "| off |" in done.stdout
+    assert ">>> Hi" in done.stdout and "ready in" in done.stdout
+    noise = [line for line in output.splitlines() if "INFO" in line or "(raylet)" in line]
+    assert not noise and "Traceback" not in output, output[-3000:]
+    assert len(output.splitlines()) < 30, output
