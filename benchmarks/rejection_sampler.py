@@ -32,7 +32,7 @@ from cluster.kernels.rejection_ref import (
     rejection_sample_ref,
 )
 from cluster.sample.randomness import draw_inv_exponentials, draw_uniforms
-from cluster.sample.rejection_sampler import rejection_sample
+from cluster.sample.rejection import rejection_sample
 
 
 def parse_args() -> argparse.Namespace:
@@ -120,7 +120,7 @@ def main() -> None:
     device = torch.device(opts.device)
     cuda = device.type == "cuda"
     if cuda:
-        from cluster.kernels.rejection import rejection_sample_triton
+        from cluster.kernels.rejection_triton import rejection_sample_triton
     header = ["vocab", "batch", "k", "loop tok/s", "torch tok/s", "torch/loop", "public tok/s"]
     if cuda:
         header += ["triton tok/s", "kernels tok/s", "kernels GB/s"]

@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
-from cluster.kernels.rejection import check_triton_runnable, rejection_sample_triton
+from cluster.kernels.backend import use_triton
 from cluster.kernels.rejection_ref import (
     RejectionInputs,
     rejection_sample_loop,
     rejection_sample_ref,
 )
-from cluster.sample.rejection_sampler import rejection_sample
+from cluster.kernels.rejection_triton import rejection_sample_triton
+from cluster.sample.rejection import rejection_sample
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -34,7 +35,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 @pytest.fixture(scope="module", autouse=True)
 def triton_runnable():
     try:
-        check_triton_runnable(DEVICE)
+        use_triton("triton", DEVICE)
     except RuntimeError as error:
         pytest.fail(f"{error} (tests/conftest.py or the shell must set it)")
 

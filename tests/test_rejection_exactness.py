@@ -17,7 +17,7 @@ if not torch.cuda.is_available():  # the Triton kernels then run under the inter
 
 from scipy.stats import chisquare
 
-from cluster.sample.rejection_sampler import rejection_sample
+from cluster.sample.rejection import rejection_sample
 
 TRIALS = 200_000
 ALPHA = 1e-3

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():  # the Triton kernels then run under the inter
 
 import pytest
 
-from cluster.sample.rejection_sampler import rejection_sample
+from cluster.sample.rejection import rejection_sample
 
 VOCAB = 8
 

@@ -21,7 +21,7 @@ import json, re
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cluster.kernels import rejection as r
+from cluster.kernels import rejection_triton as r
 
 i64, f32, f64, b1 = "*i64", "*fp32", "*fp64", "*i1"
 common = {"num_accepted_ptr": i64, "cu_num_draft_ptr": i64, "draft_ptr": i64,

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from cluster.kernels.rmsnorm import rms_norm, rms_norm_ref, rms_norm_triton
+from cluster.kernels.rmsnorm import rms_norm
+from cluster.kernels.rmsnorm_ref import rms_norm_ref
+from cluster.kernels.rmsnorm_triton import rms_norm_triton
 
 
 @pytest.mark.parametrize("hidden", [64, 100, 576])
@@ -46,3 +48,15 @@ def test_triton_on_cuda_bf16():
     want = rms_norm_ref(x, weight, 1e-5, residual)
     torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got[1], want[1])
+
+
+def test_every_kernel_validates_its_backend_the_same_way(monkeypatch):
+    from cluster.kernels.backend import use_triton
+
+    cpu = torch.device("cpu")
+    assert not use_triton("auto", cpu) and not use_triton("torch", cpu)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6, backend="cuda")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        use_triton("triton", cpu)

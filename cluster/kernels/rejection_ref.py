@@ -31,7 +31,7 @@ _BLOCK_ELEMENTS = 2**18  # floats per block of rows in the race (1 MiB)
 
 @dataclass(frozen=True)
 class RejectionInputs:
-    """Validated inputs of one rejection-sampling step (see `cluster.sample.rejection_sampler`)."""
+    """Validated inputs of one rejection-sampling step (built by `cluster.sample.rejection`)."""
 
     draft_token_ids: torch.Tensor  # [num_tokens] int64, flattened in request order
     cu_num_draft_tokens: torch.Tensor  # [batch + 1] int64: request i owns [cu[i], cu[i + 1])

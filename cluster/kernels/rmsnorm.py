@@ -1,96 +1,23 @@
-"""RMSNorm with an optional fused residual add: a Triton kernel and its torch reference.
-
-With a residual: `residual = x + residual; out = rmsnorm(residual) * weight`, returning
-`(out, residual)`; that is the pre-norm step between decoder layers. Statistics are
-computed in float32 and the normalised value is cast back before the weight multiply,
-as transformers' LlamaRMSNorm does, so results match it bit for bit in float32.
-"""
+"""`rms_norm`: RMSNorm with an optional fused residual add, as Triton or torch."""
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-
-def rms_norm_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference (and the CPU path). x, residual: [num_tokens, hidden]; weight: [hidden]."""
-    if residual is not None:
-        x = x + residual
-        residual = x
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(x.dtype)
-    return out if residual is None else (out, residual)
-
-
-@triton.jit
-def _rms_norm_kernel(
-    x_ptr,
-    residual_ptr,
-    weight_ptr,
-    out_ptr,
-    residual_out_ptr,
-    hidden_size,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < hidden_size
-    offsets = row * hidden_size + cols
-    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        x = x + tl.load(residual_ptr + offsets, mask=mask, other=0.0)
-        tl.store(residual_out_ptr + offsets, x, mask=mask)
-    h = x.to(tl.float32)
-    variance = tl.sum(h * h, axis=0) / hidden_size
-    h = h * tl.math.rsqrt(variance + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + offsets, w * h.to(x.dtype), mask=mask)
-
-
-def rms_norm_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `rms_norm_ref` (one program per token row)."""
-    x = x.contiguous()
-    hidden = x.shape[-1]
-    num_rows = x.numel() // hidden
-    out = torch.empty_like(x)
-    residual_out = torch.empty_like(x) if residual is not None else out
-    _rms_norm_kernel[(num_rows,)](
-        x,
-        residual.contiguous() if residual is not None else x,
-        weight,
-        out,
-        residual_out,
-        hidden,
-        eps,
-        HAS_RESIDUAL=residual is not None,
-        BLOCK=triton.next_power_of_2(hidden),
-    )
-    return out if residual is None else (out, residual_out)
+from cluster.kernels.backend import use_triton
+from cluster.kernels.rmsnorm_ref import rms_norm_ref
 
 
 def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
     eps: float,
-    residual: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
     backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch: Triton for CUDA tensors ("auto"), torch on CPU."""
-    use_triton = backend == "triton" or (backend == "auto" and x.is_cuda)
-    if use_triton:
+    """`out`, or `(out, residual)` with a residual (see `rmsnorm_ref.py`)."""
+    if use_triton(backend, x.device):
+        from cluster.kernels.rmsnorm_triton import rms_norm_triton
+
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)

@@ -2,7 +2,7 @@
 
 from cluster.sample.logprobs import Logprobs
 from cluster.sample.metadata import Penalties, SamplingMetadata, make_generators
-from cluster.sample.rejection_sampler import (
+from cluster.sample.rejection import (
     RejectionSampler,
     RejectionSamplerOutput,
     rejection_sample,

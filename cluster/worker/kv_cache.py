@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from cluster.kernels.paged_attention import (
-    paged_attention,
+from cluster.kernels.backend import use_triton
+from cluster.kernels.paged_attention import paged_attention, write_kv
+from cluster.kernels.paged_attention_ref import (
     paged_attention_ref,
     plan_paged_attention,
-    use_triton,
-    write_kv,
     write_kv_ref,
 )
 from cluster.models.attention import AttentionMetadata
@@ -44,7 +43,7 @@ class PagedKVCache:
         self.k = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
         self.v = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
         # The kernels are chosen once: "auto" is Triton on CUDA, torch elsewhere.
-        self.use_triton = use_triton(backend, torch.empty(0, device=device))
+        self.use_triton = use_triton(backend, torch.device(device))
 
     @staticmethod
     def bytes_per_block(layer_shapes: list[LayerShape], block_size: int, dtype: torch.dtype) -> int:
