@@ -56,3 +56,10 @@ def speculation_supported(model_path: str) -> bool:
     except (ValueError, TypeError, NotImplementedError):
         return False
     return True
+
+
+def build_llm_app(args: Any) -> Any:
+    """Only the `LLMServer` deployment of `args` (the handle API, no HTTP routes)."""
+    from cluster.serve.builder import llm_app, prepare_args
+
+    return llm_app(prepare_args(args), None)

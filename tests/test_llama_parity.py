@@ -6,15 +6,14 @@ in-process and at TP=2 across two gloo processes.
 
 import pytest
 import torch
-from forward_helpers import prefill
+from forward_helpers import ContiguousKVCache, prefill
 from tiny_models import VARIANTS, hf_logits, make_tiny_llama
-from tp_workers import model_logits
+from tp_workers import model_logits, spawn_ranks
 
 from cluster.config import ModelConfig
-from cluster.models.attention import AttentionMetadata, ContiguousKVCache, attention_context
+from cluster.models.attention import AttentionMetadata, attention_context
 from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
-from cluster.parallel.spawn import spawn_ranks
 
 TOL = 1e-4
 SEQ_LENS = [1, 7, 19, 4]
@@ -85,7 +84,7 @@ def test_incremental_decode_with_cache_matches_full_forward(checkpoints):
     model = load_model(ModelConfig(path=path, dtype="float32"), ParallelState.single())
     seqs = _batch(cfg.vocab_size, seed=4)[1:3]  # lengths 7 and 19
     cache = ContiguousKVCache(
-        cfg.num_hidden_layers, 2, 32, cfg.num_key_value_heads, 16, torch.float32
+        cfg.num_hidden_layers, [1, 0], 32, cfg.num_key_value_heads, 16, torch.float32
     )
     refs = hf_logits(hf, seqs)
     done = [0, 0]
@@ -97,7 +96,7 @@ def test_incremental_decode_with_cache_matches_full_forward(checkpoints):
             ids = torch.cat([s[d : d + n] for s, d, n in zip(seqs, done, new, strict=True)])
             positions = torch.cat([torch.arange(d, d + n) for d, n in zip(done, new, strict=True)])
             seq_lens = [d + n for d, n in zip(done, new, strict=True)]
-            meta = AttentionMetadata(starts, seq_lens, positions, cache, cache_slots=[1, 0])
+            meta = AttentionMetadata(starts, seq_lens, positions, cache)
             with attention_context(meta):
                 logits = model.compute_logits(model(ids, positions))
             for i in range(2):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from tp_workers import layer_outputs
+from tp_workers import layer_outputs, spawn_ranks
 
 from cluster.parallel import (
     ColumnParallelLinear,
@@ -11,7 +11,6 @@ from cluster.parallel import (
     QKVParallelLinear,
     VocabParallelEmbedding,
 )
-from cluster.parallel.spawn import spawn_ranks
 
 
 @pytest.fixture(scope="module")

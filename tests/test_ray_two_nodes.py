@@ -4,10 +4,11 @@ import pytest
 import ray
 from ray import serve
 from ray.cluster_utils import Cluster
+from ray_helpers import build_llm_app
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
-from cluster.serve import ClusterArgs, GenerateRequest, build_llm_app
+from cluster.serve import ClusterArgs, GenerateRequest
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["first prompt", "a second, longer prompt"]

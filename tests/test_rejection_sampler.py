@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import torch
+from sampling_helpers import make_generators
 
 if not torch.cuda.is_available():  # the Triton kernels then run under the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -26,7 +27,6 @@ from cluster.sample import (
     Sampler,
     SamplingMetadata,
     SpecDecodeMetadata,
-    make_generators,
 )
 from cluster.sample.processing import process_logits
 from cluster.sampling_params import SamplingParams

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
+from sampling_helpers import make_generators
 
 if not torch.cuda.is_available():  # the Triton kernels then run under the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from cluster.sample import LogitsRows, Sampler, SamplingMetadata, make_generators
+from cluster.sample import LogitsRows, Sampler, SamplingMetadata
 from cluster.sample.processing import process_logits
 from cluster.sampling_params import SamplingParams
 

@@ -7,13 +7,12 @@ refused at configuration time.
 import pytest
 import torch
 from forward_helpers import prefill
-from tp_workers import model_logits
+from tp_workers import model_logits, spawn_ranks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cluster.config import EngineConfig, ModelConfig, ParallelConfig
 from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
-from cluster.parallel.spawn import spawn_ranks
 
 TOL = 1e-4
 PROMPTS = [

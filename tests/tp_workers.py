@@ -1,11 +1,17 @@
-"""Functions run on every rank by `spawn_ranks` in the tensor-parallel tests.
+"""`spawn_ranks`, and the functions it runs on every rank in the tensor-parallel tests.
 
 They live in an importable module (not a test file) so spawned processes can unpickle them.
 """
 
 from __future__ import annotations
 
+import io
+import traceback
+from collections.abc import Callable
+from typing import Any
+
 import torch
+import torch.multiprocessing as mp
 from forward_helpers import prefill
 
 from cluster.config import ModelConfig
@@ -22,6 +28,7 @@ from cluster.parallel import (
     init_parallel_state,
 )
 from cluster.parallel.comm import all_gather, gather, recv, send
+from cluster.parallel.spawn import free_port
 
 
 def model_logits(
@@ -101,3 +108,47 @@ def layer_outputs(
         return out
     finally:
         destroy_parallel_state(state)
+
+
+def _run_rank(
+    fn: Callable[..., Any], rank: int, init_method: str, args: tuple, results: Any
+) -> None:
+    try:
+        # Serialized to bytes: tensors sent through shared memory would vanish with this process.
+        buffer = io.BytesIO()
+        torch.save(fn(rank, init_method, *args), buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:  # report every failure to the parent, whatever it is
+        results.put((rank, False, traceback.format_exc()))
+
+
+def spawn_ranks(
+    fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s: float = 600.0
+) -> list[Any]:
+    """Call `fn(rank, init_method, *args)` in `world_size` processes; return results by rank.
+
+    `fn` must be importable (a module-level function). A failure on any rank raises
+    `RuntimeError` carrying that rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_run_rank, args=(fn, rank, init_method, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=timeout_s)
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [outputs[r] for r in range(world_size)]

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -41,13 +41,25 @@ class KVCache(Protocol):
     ) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class AttentionLayer(Protocol):
+    """A module whose keys and values live in the engine's KV cache: the worker sizes one
+    cache tensor pair per such layer, found by `layer_idx`."""
+
+    layer_idx: int
+
+    @property
+    def kv_shape(self) -> tuple[int, int]:
+        """(KV heads on this rank, head_dim)."""
+        ...
+
+
 @dataclass
 class AttentionMetadata:
     query_start_loc: list[int]  # [num_seqs + 1] prefix sums of new tokens per sequence
     seq_lens: list[int]  # [num_seqs] context length (cached + new) per sequence
     positions: torch.Tensor  # [num_tokens] position of every new token
     kv_cache: KVCache | None = None
-    cache_slots: list[int] | None = None  # [num_seqs] row of each sequence (contiguous cache)
     slot_mapping: torch.Tensor | None = None  # [num_tokens] cache slot of each token (paged)
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] (paged)
     # Values derived from the fields above, computed once per step (see `cached`).
@@ -95,47 +107,6 @@ def attention_per_sequence(
             seq_k, seq_v = context(i)
             out[start:end] = causal_attention(q[start:end], seq_k, seq_v, scale)
     return out
-
-
-class ContiguousKVCache:
-    """Per layer, keys and values as `[num_slots, max_len, kv_heads, head_dim]`."""
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_slots: int,
-        max_len: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        shape = (num_slots, max_len, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-    def attend(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        if meta.cache_slots is None:
-            raise ValueError("ContiguousKVCache needs AttentionMetadata.cache_slots")
-        counts = torch.tensor(meta.query_lens())
-        token_slots = torch.repeat_interleave(torch.tensor(meta.cache_slots), counts)
-        k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
-        k_cache[token_slots.to(k.device), meta.positions] = k
-        v_cache[token_slots.to(k.device), meta.positions] = v
-
-        def context(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            slot, length = meta.cache_slots[i], meta.seq_lens[i]
-            return k_cache[slot, :length], v_cache[slot, :length]
-
-        return attention_per_sequence(q, meta, scale, context)
 
 
 # The metadata of the forward running in this thread (or task): set by `attention_context`.

@@ -66,6 +66,10 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(self.head_dim, theta, scaling)
         self.scale = self.head_dim**-0.5
 
+    @property
+    def kv_shape(self) -> tuple[int, int]:  # an `AttentionLayer`
+        return self.qkv_proj.num_kv_heads, self.qkv_proj.head_dim
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         return self.rotary_emb.cos_sin(positions, dtype)
 

@@ -1,22 +1,13 @@
-"""Run a function on several local ranks (spawned processes) and collect the results.
-
-Used for in-process tensor parallelism on one machine (tests, benchmarks, the
-offline engine). The rendezvous address takes a free port found at run time.
-"""
+"""Starting local rank processes: a free port for their rendezvous, and starting them
+without re-running the parent's script."""
 
 from __future__ import annotations
 
 import contextlib
-import io
 import socket
 import sys
-import traceback
 import types
-from collections.abc import Callable, Iterator
-from typing import Any
-
-import torch
-import torch.multiprocessing as mp
+from collections.abc import Iterator
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -41,47 +32,3 @@ def main_script_hidden() -> Iterator[None]:
         yield
     finally:
         sys.modules["__main__"] = main
-
-
-def _run_rank(
-    fn: Callable[..., Any], rank: int, init_method: str, args: tuple, results: Any
-) -> None:
-    try:
-        # Serialized to bytes: tensors sent through shared memory would vanish with this process.
-        buffer = io.BytesIO()
-        torch.save(fn(rank, init_method, *args), buffer)
-        results.put((rank, True, buffer.getvalue()))
-    except BaseException:  # report every failure to the parent, whatever it is
-        results.put((rank, False, traceback.format_exc()))
-
-
-def spawn_ranks(
-    fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s: float = 600.0
-) -> list[Any]:
-    """Call `fn(rank, init_method, *args)` in `world_size` processes; return results by rank.
-
-    `fn` must be importable (a module-level function). A failure on any rank raises
-    `RuntimeError` carrying that rank's traceback.
-    """
-    ctx = mp.get_context("spawn")
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_run_rank, args=(fn, rank, init_method, args, results), daemon=True)
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    outputs: dict[int, Any] = {}
-    try:
-        for _ in range(world_size):
-            rank, ok, value = results.get(timeout=timeout_s)
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [outputs[r] for r in range(world_size)]

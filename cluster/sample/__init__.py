@@ -1,7 +1,7 @@
 """Sampling: the vectorised `Sampler` and the lossless `RejectionSampler` in front of the kernels."""
 
 from cluster.sample.logprobs import Logprobs
-from cluster.sample.metadata import Penalties, SamplingMetadata, make_generators
+from cluster.sample.metadata import Penalties, SamplingMetadata
 from cluster.sample.rejection import (
     RejectionSampler,
     RejectionSamplerOutput,
@@ -20,6 +20,5 @@ __all__ = [
     "SamplerOutput",
     "SamplingMetadata",
     "SpecDecodeMetadata",
-    "make_generators",
     "rejection_sample",
 ]

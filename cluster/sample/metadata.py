@@ -73,8 +73,8 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """Vectorise `params`; token ids are needed only for requests that use penalties.
 
-        `generators` must hold one generator per seeded request (see `make_generators`); the
-        caller keeps them across steps so a seeded request continues its own stream.
+        `generators` must hold one generator per seeded random request (the model runner
+        keeps them across steps, so a seeded request continues its own stream).
         """
         device = torch.device(device)
         generators = dict(generators or {})
@@ -125,17 +125,6 @@ def _logit_bias(
                 raise ValueError(f"params[{i}].logit_bias: token {token} is outside the vocabulary")
             table[i, token] = bias
     return table.to(device)
-
-
-def make_generators(
-    params: Sequence[SamplingParams], device: torch.device | str = "cpu"
-) -> dict[int, torch.Generator]:
-    """A fresh generator, seeded from `seed`, for every seeded request (at its first step)."""
-    return {
-        i: torch.Generator(device=device).manual_seed(p.seed)
-        for i, p in enumerate(params)
-        if p.seed is not None
-    }
 
 
 def _uses_penalties(p: SamplingParams) -> bool:

@@ -19,7 +19,6 @@ _EXPORTS = {
     "ModelArgs": "args",
     "ServerArgs": "args",
     "build_app": "builder",
-    "build_llm_app": "builder",
     "build_openai_app": "builder",
     "load_manifest": "manifest",
     "validate_manifest": "manifest",

@@ -62,16 +62,10 @@ def ingress_deployment_options() -> dict[str, Any]:
     return {"name": INGRESS_DEPLOYMENT, "ray_actor_options": {"num_cpus": 0}}
 
 
-def _llm_app(args: ClusterArgs, overrides: dict[str, Any] | None) -> Application:
+def llm_app(args: ClusterArgs, overrides: dict[str, Any] | None) -> Application:
+    """The `LLMServer` deployment alone, with `overrides` applied to its options."""
     options = {**llm_deployment_options(args), **(overrides or {})}
     return serve.deployment(LLMServer).options(**options).bind(args)
-
-
-def build_llm_app(
-    args: ClusterArgs | dict[str, Any], overrides: dict[str, Any] | None = None
-) -> Application:
-    """Only the `LLMServer` deployment (handle API, no HTTP routes)."""
-    return _llm_app(prepare_args(args), overrides)
 
 
 def build_openai_app(
@@ -82,7 +76,7 @@ def build_openai_app(
     name to `.options()` values (what a manifest's `deployments:` section holds)."""
     args = prepare_args(args)
     overrides = deployment_overrides or {}
-    llm = _llm_app(args, overrides.get(LLM_DEPLOYMENT))
+    llm = llm_app(args, overrides.get(LLM_DEPLOYMENT))
     ingress_options = {
         **ingress_deployment_options(),
         # The ingress only waits on the engine: let it hold as many requests as it admits.

@@ -1,8 +1,11 @@
-"""What a proposer receives after the target has verified a step, and what it returns."""
+"""The proposer interface: what a drafter receives after the target has verified a step
+(`ProposalBatch`), what it returns (`DraftProposal`), and what the model runner asks of
+it (`Proposer`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -47,3 +50,18 @@ class DraftProposal:
     # [batch] the distribution each request's drafts were sampled from ([k_i, vocab]), or
     # None where drafts are argmax / deltas.
     probs: list[torch.Tensor | None]
+
+
+class Proposer(Protocol):
+    """A drafter: the EAGLE-family heads, a draft LM, n-gram lookup (or a test's script)."""
+
+    # Whether `ProposalBatch.token_history` must be filled (a list copy per request).
+    needs_token_history: bool
+
+    def propose(self, batch: ProposalBatch) -> DraftProposal:
+        """Drafts for the requests of `batch` that sampled this step."""
+        ...
+
+    def warm_up(self) -> float:
+        """Compile what can be compiled now (once, at start-up); the seconds it took."""
+        ...

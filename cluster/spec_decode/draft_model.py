@@ -17,6 +17,8 @@ from cluster.spec_decode.chain import choose_tokens, run_chain
 
 
 class DraftModelProposer:
+    needs_token_history = False
+
     def __init__(
         self,
         model: nn.Module,
@@ -30,6 +32,9 @@ class DraftModelProposer:
         self.block_size = block_size
         self.k = num_speculative_tokens
         self.sample = sample
+
+    def warm_up(self) -> float:
+        return 0.0  # the draft LM runs eagerly
 
     @torch.inference_mode()
     def propose(self, batch: ProposalBatch) -> DraftProposal:

@@ -37,6 +37,8 @@ def shifted_input_ids(batch: ProposalBatch) -> tuple[torch.Tensor, torch.Tensor]
 
 
 class EagleProposer:
+    needs_token_history = False
+
     def __init__(
         self,
         draft: DraftModel,

@@ -36,6 +36,9 @@ class NgramProposer:
         self.k = num_speculative_tokens
         self.min_n, self.max_n = min_n, max_n
 
+    def warm_up(self) -> float:
+        return 0.0  # nothing to compile
+
     def propose(self, batch: ProposalBatch) -> DraftProposal:
         k = self.k if batch.num_drafts is None else min(self.k, batch.num_drafts)
         drafts = [

@@ -37,7 +37,7 @@ from cluster.sample import (
 )
 from cluster.sample.randomness import draft_seed
 from cluster.sampling_params import SamplingParams
-from cluster.spec_decode.batch import ProposalBatch
+from cluster.spec_decode.batch import ProposalBatch, Proposer
 from cluster.worker.input_batch import ModelInputs, prepare_inputs
 from cluster.worker.kv_cache import PagedKVCache
 
@@ -66,7 +66,7 @@ class ModelRunner:
         model: nn.Module,
         kv_cache: PagedKVCache,
         device: torch.device,
-        proposer: object | None = None,
+        proposer: Proposer | None = None,
         aux_hidden_layers: tuple[int, ...] = (),
         sampler_backend: str = "auto",
         state: ParallelState | None = None,
@@ -117,7 +117,7 @@ class ModelRunner:
                 0 if self.state.is_first_stage else 2 + self.num_aux_from_earlier_stages
             )
             seconds += self.target_forward.warm_up([hidden] * num_stage_rows, self.kv_cache.dtype)
-        if self.proposer is not None and hasattr(self.proposer, "warm_up"):
+        if self.proposer is not None:
             seconds += self.proposer.warm_up()
         return seconds
 
@@ -284,7 +284,7 @@ class ModelRunner:
             },
             token_history=(
                 [st.prompt_token_ids + st.output_token_ids for st in states]
-                if getattr(self.proposer, "needs_token_history", False)
+                if self.proposer.needs_token_history
                 else []
             ),
             input_ids=inputs.input_ids,

@@ -16,6 +16,7 @@ from torch import nn
 
 from cluster.config import EngineConfig, ModelConfig
 from cluster.engine.messages import SchedulerOutput
+from cluster.models.attention import AttentionLayer
 from cluster.models.compiled import CompileOptions
 from cluster.models.default_model import cache_dir
 from cluster.models.eagle3 import eagle3_aux_layers
@@ -34,8 +35,8 @@ def attention_layer_shapes(model: nn.Module) -> list[LayerShape]:
     """(kv_heads on this rank, head_dim) of every attention layer, in layer-index order."""
     shapes = {}
     for module in model.modules():
-        if hasattr(module, "qkv_proj") and hasattr(module, "layer_idx"):
-            shapes[module.layer_idx] = (module.qkv_proj.num_kv_heads, module.qkv_proj.head_dim)
+        if isinstance(module, AttentionLayer):
+            shapes[module.layer_idx] = module.kv_shape
     return [shapes[i] for i in sorted(shapes)]
 
 
