@@ -24,7 +24,7 @@ from itertools import pairwise
 
 import torch
 
-from cluster.kernels.paged_attention_ref import paged_attention_ref
+from cluster.kernels.paged_attention import paged_attention_ref
 from cluster.kernels.paged_attention_triton import paged_attention_triton
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from cluster.kernels.rejection_ref import (
+from cluster.kernels.rejection import (
     RejectionInputs,
     rejection_sample_loop,
     rejection_sample_ref,

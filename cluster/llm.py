@@ -10,8 +10,7 @@ from tqdm import tqdm
 from cluster.config import EngineConfig, engine_config_from_args
 from cluster.engine.core import EngineCore
 from cluster.engine.executor import Executor
-from cluster.engine.frontend import ChatMessages
-from cluster.engine.input_processor import Prompt
+from cluster.engine.frontend import ChatMessages, Prompt
 from cluster.engine.llm_engine import LLMEngine
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams

@@ -18,7 +18,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from cluster.kernels.paged_attention_ref import paged_attention_ref, write_kv_ref
+from cluster.kernels.paged_attention import paged_attention_ref, write_kv_ref
 from cluster.kernels.paged_attention_triton import paged_attention_triton, write_kv_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

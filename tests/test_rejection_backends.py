@@ -21,7 +21,7 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from cluster.kernels.backend import use_triton
-from cluster.kernels.rejection_ref import (
+from cluster.kernels.rejection import (
     RejectionInputs,
     rejection_sample_loop,
     rejection_sample_ref,

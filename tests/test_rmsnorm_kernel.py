@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from cluster.kernels.rmsnorm import rms_norm
-from cluster.kernels.rmsnorm_ref import rms_norm_ref
+from cluster.kernels.rmsnorm import rms_norm, rms_norm_ref
 from cluster.kernels.rmsnorm_triton import rms_norm_triton
 
 

@@ -32,8 +32,7 @@ from cluster.actors.scheduler_actor import SchedulerActor
 from cluster.actors.wire import EngineStats, OutputBatch, encode_request
 from cluster.config import EngineConfig
 from cluster.engine.errors import EngineDeadError
-from cluster.engine.frontend import FrontEnd, stream_outputs
-from cluster.engine.input_processor import Prompt
+from cluster.engine.frontend import FrontEnd, Prompt, stream_outputs
 from cluster.outputs import RequestOutput
 from cluster.placement_config import PlacementConfig
 from cluster.sampling_params import SamplingParams

@@ -14,8 +14,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from cluster.engine.errors import EngineDeadError
-from cluster.engine.frontend import stream_outputs
-from cluster.engine.input_processor import Prompt
+from cluster.engine.frontend import Prompt, stream_outputs
 from cluster.engine.llm_engine import LLMEngine
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams

@@ -11,8 +11,7 @@ import itertools
 from typing import Any
 
 from cluster.engine.core import EngineCore
-from cluster.engine.frontend import FrontEnd
-from cluster.engine.input_processor import Prompt
+from cluster.engine.frontend import FrontEnd, Prompt
 from cluster.engine.output_processor import RequestState
 from cluster.sampling_params import SamplingParams
 

@@ -1,12 +1,169 @@
-"""`write_kv` and `paged_attention`: the paged KV cache's two operations, as Triton or
-torch (layout and semantics in `paged_attention_ref.py`)."""
+"""Attention over a paged KV cache for a batch mixing prefill chunks and decode tokens.
+
+Layout:
+- `k_cache`, `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`, one pair per layer;
+- `slot_mapping[t] = block * block_size + offset`: where new token t's key/value go;
+- `block_tables[i, j]`: the j-th block of sequence i (padded with 0 past its last block);
+- `seq_lens[i]`: sequence i's context length after this step (cached + new tokens);
+- `query_start_loc[i]`: where sequence i's new tokens start in the flattened batch.
+New token j of sequence i sits at position `seq_lens[i] - q_len_i + j` and attends to every
+key at or before it. Grouped-query heads: query head h reads KV head `h // (H // KVH)`.
+
+`write_kv_ref` + `paged_attention_ref` here are the torch implementations (the CPU path
+and the tests' oracle); the Triton kernels in `paged_attention_triton.py` implement the
+same two functions, and `write_kv` / `paged_attention` pick one.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from cluster.kernels.backend import use_triton
-from cluster.kernels.paged_attention_ref import AttentionPlan, paged_attention_ref, write_kv_ref
+
+
+def write_kv_ref(
+    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int, every entry >= 0
+) -> None:
+    slots = slot_mapping.long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+# Sequences with at most this many new tokens share one padded attention call (decode,
+# verification, short prompts); longer ones (prefill chunks) run one by one.
+MAX_BATCHED_QUERY_LEN = 16
+
+
+@dataclass
+class AttentionPlan:
+    """What `paged_attention_ref` derives from the step's metadata alone, computed once per
+    step and shared by every layer (the layers differ only in their caches). The batched
+    sequences' queries are padded to `max_q` rows and their contexts to `max_len` keys."""
+
+    long: list[int]  # sequences run one by one
+    query_rows: torch.Tensor | None  # [n, max_q] token row of each query (padding: row 0)
+    out_rows: torch.Tensor | None  # [n * max_q] where each result goes (padding: num_tokens)
+    key_slots: torch.Tensor | None  # [n * max_len] cache slot of each key (padding: a real one)
+    mask: torch.Tensor | None  # [n, 1, max_q, max_len] keys each query may see
+    # Every sequence has one new token, in batch order: rows need no gathering or scattering.
+    one_token_each: bool = False
+
+
+def plan_paged_attention(
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    query_start_loc: list[int],
+    block_size: int,
+) -> AttentionPlan:
+    device = block_tables.device
+    num_seqs = len(seq_lens)
+    query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(num_seqs)]
+    batched = [i for i in range(num_seqs) if 0 < query_lens[i] <= MAX_BATCHED_QUERY_LEN]
+    long = [i for i in range(num_seqs) if query_lens[i] > MAX_BATCHED_QUERY_LEN]
+    if not batched:
+        return AttentionPlan(long, None, None, None, None)
+    num_tokens = query_start_loc[-1]
+    max_q = max(query_lens[i] for i in batched)
+    max_blocks = -(-max(seq_lens[i] for i in batched) // block_size)
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    starts, q_lens, lens = (
+        ints([values[i] for i in batched]) for values in (query_start_loc, query_lens, seq_lens)
+    )
+    j = torch.arange(max_q, device=device)
+    is_query = j[None, :] < q_lens[:, None]  # [n, max_q]
+    query_rows = torch.where(is_query, starts[:, None] + j[None, :], 0)
+    out_rows = torch.where(is_query, starts[:, None] + j[None, :], num_tokens).flatten()
+    pos = torch.arange(max_blocks * block_size, device=device)  # [max_len]
+    tables = block_tables[batched, :max_blocks].long()
+    slots = tables[:, pos // block_size] * block_size + pos % block_size  # [n, max_len]
+    in_context = pos[None, :] < lens[:, None]
+    key_slots = torch.where(in_context, slots, slots[:, :1])  # never read a stale slot
+    query_pos = lens[:, None] - q_lens[:, None] + j[None, :]  # [n, max_q]
+    mask = (pos[None, None, :] <= query_pos[:, :, None]) & in_context[:, None, :]
+    one_token_each = max_q == 1 and len(batched) == num_seqs == num_tokens
+    return AttentionPlan(
+        long, query_rows, out_rows, key_slots.flatten(), mask[:, None], one_token_each
+    )
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len, kv_heads, head_dim] of one sequence, gathered from its blocks."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [num_tokens, heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
+    seq_lens: list[int],
+    query_start_loc: list[int],
+    scale: float,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
+    """Returns [num_tokens, heads, head_dim].
+
+    Sequences with few new tokens (decode, verification of drafts) share one padded SDPA
+    call; longer ones (prefill chunks) go one by one. `plan` (from `plan_paged_attention`)
+    saves recomputing the index tensors per layer.
+    """
+    if plan is None:
+        plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+    num_tokens = q.shape[0]
+    if plan.query_rows is not None:
+        n = plan.query_rows.shape[0]
+        kv_shape = (n, -1, *k_cache.shape[2:])  # [n, max_len, kv_heads, head_dim]
+        keys = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, plan.key_slots)
+        values = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, plan.key_slots)
+        queries = q[:, None] if plan.one_token_each else q[plan.query_rows]  # [n, max_q, H, D]
+        o = F.scaled_dot_product_attention(
+            queries.transpose(1, 2),  # [n, heads, max_q, head_dim]
+            keys.view(kv_shape).transpose(1, 2),
+            values.view(kv_shape).transpose(1, 2),
+            attn_mask=plan.mask,
+            scale=scale,
+            enable_gqa=True,
+        ).transpose(1, 2)  # [n, max_q, heads, head_dim]
+        if plan.one_token_each:
+            return o.reshape(q.shape)
+    out = q.new_empty(num_tokens + 1, *q.shape[1:])  # the last row takes the padding
+    if plan.query_rows is not None:
+        out.index_copy_(0, plan.out_rows, o.flatten(0, 1))
+    for i in plan.long:
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        seq_k = _gather_context(k_cache, block_tables[i], seq_lens[i])
+        seq_v = _gather_context(v_cache, block_tables[i], seq_lens[i])
+        out[start:end] = causal_attention(q[start:end], seq_k, seq_v, scale)
+    return out[:num_tokens]
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One sequence: q [n_q, heads, d] are the last n_q positions of k, v [n_k, kv_heads, d]."""
+    n_q, n_k = q.shape[0], k.shape[0]
+    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n, d]
+    if n_q == n_k:  # the whole sequence is new: plain causal attention
+        mask, causal = None, True
+    else:  # query j sits at context position n_k - n_q + j and sees keys up to it
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
+        causal = False
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+    )
+    return o[0].transpose(0, 1)
 
 
 def write_kv(

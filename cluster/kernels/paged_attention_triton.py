@@ -1,6 +1,6 @@
 """Triton kernels for the paged KV cache: `write_kv_triton` and `paged_attention_triton`.
 
-Same layout and semantics as the torch oracle in `paged_attention_ref.py` (read its module
+Same layout and semantics as the torch oracle in `paged_attention.py` (read its module
 docstring): caches are `[num_blocks, block_size, kv_heads, head_dim]`, a sequence's keys live
 in the blocks its row of `block_tables` lists, and new token j of sequence i sits at
 position `seq_lens[i] - q_len_i + j` and attends causally to every key at or before it.

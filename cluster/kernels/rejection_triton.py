@@ -1,6 +1,6 @@
-"""Rejection sampling as Triton kernels; `rejection_ref.py` holds the same maths in torch.
+"""Rejection sampling as Triton kernels; `rejection.py` holds the same maths in torch.
 
-Four kernels, one job each (the glossary is in `rejection_ref.py`):
+Four kernels, one job each (the glossary is in `rejection.py`):
 - `_greedy_verify_kernel`, one program per request: writes the target argmax while it
   equals the draft, stops at the first mismatch (the argmax there is the recovered token)
   and writes the bonus token when every draft matched.
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from cluster.kernels.backend import use_triton
-from cluster.kernels.rejection_ref import PLACEHOLDER_TOKEN_ID, RejectionInputs
+from cluster.kernels.rejection import PLACEHOLDER_TOKEN_ID, RejectionInputs
 
 _MAX_CHUNK = 4096  # vocab entries one race program reads
 

@@ -1,4 +1,4 @@
-"""RMSNorm with an optional fused residual add as a Triton kernel (`rmsnorm_ref.py` holds
+"""RMSNorm with an optional fused residual add as a Triton kernel (`rmsnorm.py` holds
 the same maths in torch).
 """
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from cluster.kernels.paged_attention_ref import causal_attention
+from cluster.kernels.paged_attention import causal_attention
 
 
 class KVCache(Protocol):

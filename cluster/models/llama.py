@@ -15,8 +15,14 @@ import torch
 from torch import nn
 
 from cluster.models.attention import attention
-from cluster.models.layers import RMSNorm, silu_and_mul
-from cluster.models.rotary import Rope, RotaryEmbedding, apply_rope, rope_parameters
+from cluster.models.layers import (
+    RMSNorm,
+    Rope,
+    RotaryEmbedding,
+    apply_rope,
+    rope_parameters,
+    silu_and_mul,
+)
 from cluster.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,

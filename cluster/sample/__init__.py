@@ -1,13 +1,12 @@
 """Sampling: the vectorised `Sampler` and the lossless `RejectionSampler` in front of the kernels."""
 
 from cluster.sample.logprobs import Logprobs
-from cluster.sample.metadata import Penalties, SamplingMetadata
+from cluster.sample.metadata import LogitsRows, Penalties, SamplingMetadata, SpecDecodeMetadata
 from cluster.sample.rejection import (
     RejectionSampler,
     RejectionSamplerOutput,
     rejection_sample,
 )
-from cluster.sample.rows import LogitsRows, SpecDecodeMetadata
 from cluster.sample.sampler import Sampler, SamplerOutput
 
 __all__ = [

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.sample.metadata import Penalties, SamplingMetadata
-from cluster.sample.rows import LogitsRows
+from cluster.sample.metadata import LogitsRows, Penalties, SamplingMetadata
 
 
 def process_logits(

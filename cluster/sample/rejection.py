@@ -2,7 +2,7 @@
 checks, `rejection_sample` and the `RejectionSampler` module.
 
 `rejection_sample` verifies drafts against target distributions (Leviathan et al.;
-glossary in `cluster/kernels/rejection_ref.py`): it checks its arguments (each error names
+glossary in `cluster/kernels/rejection.py`): it checks its arguments (each error names
 the argument), draws the random numbers (none for greedy requests; a seeded request draws
 only from its own generator), and runs the Triton kernels or the vectorised torch path
 on them (`cluster/kernels/rejection.py`).
@@ -25,13 +25,11 @@ import torch
 from torch import nn
 
 from cluster.kernels.backend import use_triton
-from cluster.kernels.rejection import run_rejection
-from cluster.kernels.rejection_ref import PLACEHOLDER_TOKEN_ID, RejectionInputs
+from cluster.kernels.rejection import PLACEHOLDER_TOKEN_ID, RejectionInputs, run_rejection
 from cluster.sample.logprobs import Logprobs, compute_logprobs
-from cluster.sample.metadata import SamplingMetadata
+from cluster.sample.metadata import SamplingMetadata, SpecDecodeMetadata
 from cluster.sample.processing import process_logits, sampling_distribution
 from cluster.sample.randomness import draw_inv_exponentials, draw_uniforms
-from cluster.sample.rows import SpecDecodeMetadata
 from cluster.sample.sampler import Sampler
 
 

@@ -16,10 +16,9 @@ import torch
 from torch import nn
 
 from cluster.sample.logprobs import Logprobs, compute_logprobs
-from cluster.sample.metadata import SamplingMetadata
+from cluster.sample.metadata import LogitsRows, SamplingMetadata
 from cluster.sample.processing import process_logits, sampling_distribution
 from cluster.sample.randomness import draw_inv_exponentials
-from cluster.sample.rows import LogitsRows
 
 LogprobsMode = Literal["raw", "processed"]
 

@@ -22,7 +22,7 @@ from ray.util.placement_group import get_current_placement_group
 
 from cluster.actors.client import EngineClient
 from cluster.engine.errors import EngineDeadError
-from cluster.engine.input_processor import Prompt
+from cluster.engine.frontend import Prompt
 from cluster.serve.args import ClusterArgs
 from cluster.serve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 from cluster.serve.metrics import ServerMetrics

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.models.rotary import inverse_frequencies, rope_parameters
+from cluster.models.layers import inverse_frequencies, rope_parameters
 
 
 class RMSNorm(nn.Module):

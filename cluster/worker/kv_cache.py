@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 
 from cluster.kernels.backend import use_triton
-from cluster.kernels.paged_attention import paged_attention, write_kv
-from cluster.kernels.paged_attention_ref import (
+from cluster.kernels.paged_attention import (
+    paged_attention,
     paged_attention_ref,
     plan_paged_attention,
+    write_kv,
     write_kv_ref,
 )
 from cluster.models.attention import AttentionMetadata
