@@ -1,7 +1,9 @@
 """Lossless greedy speculation on the real default model (SmolLM2-135M-Instruct).
 
-Every method, with randomly initialised heads (the trained head arrives later), at
-k = 1, 3, 5, on 8 chat prompts batched: outputs equal speculation off and transformers'.
+Every method, with randomly initialised heads, on 8 chat prompts batched: outputs equal
+speculation off and transformers'. EAGLE-3 (the default head's method) runs at k = 1, 3,
+5, the others at k = 3 (every method runs at every k on the tiny model in
+tests/test_spec_decode.py).
 """
 
 import pytest
@@ -68,7 +70,7 @@ def setup(tmp_path_factory, smollm2_path):
 )
 def test_lossless_on_smollm2(setup, method):
     path, specs, prompts, baseline = setup
-    for k in (1, 3, 5):
+    for k in (1, 3, 5) if method == "eagle3" else (3,):
         with LLM(
             path, speculative_config={**specs[method], "num_speculative_tokens": k}, **ENGINE
         ) as llm:
