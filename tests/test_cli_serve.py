@@ -78,19 +78,26 @@ def _complete(url: str) -> int:
         return json.loads(r.read())["usage"]["completion_tokens"]
 
 
-def test_two_cluster_serves_each_run_their_own_ray_and_stop_on_ctrl_c(tmp_path, smollm2_path):
+def tiny_manifest(tmp_path, smollm2_path, name: str, **sections) -> str:
+    """A manifest serving a tiny random model as "tiny" (its file's path)."""
     model = str(tmp_path / "m")
     make_tiny_chat_model(model, smollm2_path, num_hidden_layers=2)
     args = {
         "model": {"path": model, "id": "tiny", "device": "cpu", "dtype": "float32"},
         "placement": {"worker_cpus": 0.5, "threads_per_worker": 1},
         "cache": {"num_kv_blocks": 64},
+        **sections,
     }
     args["model"]["max_model_len"] = 128
-    app = {"name": "cli", "import_path": "cluster.serve:build_app", "args": args}
-    manifest = tmp_path / "tiny.yaml"
+    app = {"name": name, "import_path": "cluster.serve:build_app", "args": args}
+    manifest = tmp_path / f"{name}.yaml"
     manifest.write_text(yaml.safe_dump({"applications": [app]}))
-    first = Server(str(manifest))
+    return str(manifest)
+
+
+def test_two_cluster_serves_each_run_their_own_ray_and_stop_on_ctrl_c(tmp_path, smollm2_path):
+    manifest = tiny_manifest(tmp_path, smollm2_path, "cli")
+    first = Server(manifest)
     second = None
     try:
         first_url = first.wait_for("base URL:", 180)
@@ -98,7 +105,7 @@ def test_two_cluster_serves_each_run_their_own_ray_and_stop_on_ctrl_c(tmp_path, 
             assert r.status == 200
         assert _complete(first_url) == 4
         # The same manifest again (same application name), on the same machine.
-        second = Server(str(manifest))
+        second = Server(manifest)
         second_url = second.wait_for("base URL:", 180)
         assert second_url != first_url and _complete(second_url) == 4
         second.stop()
@@ -113,20 +120,11 @@ def test_two_cluster_serves_each_run_their_own_ray_and_stop_on_ctrl_c(tmp_path, 
 def test_demo_prints_progress_answers_and_the_table_and_little_else(tmp_path, smollm2_path):
     """The main job's output, on a tiny model: its own lines, no Ray or Serve INFO logs,
     no actor output, no warnings at shutdown."""
-    model = str(tmp_path / "m")
-    make_tiny_chat_model(model, smollm2_path, num_hidden_layers=2)
-    args = {
-        "model": {"path": model, "id": "tiny", "device": "cpu", "dtype": "float32"},
-        "placement": {"worker_cpus": 0.5, "threads_per_worker": 1},
-        "cache": {"num_kv_blocks": 64},
-        "speculative": {"method": "ngram", "num_speculative_tokens": 3},
-    }
-    app = {"name": "demo", "import_path": "cluster.serve:build_app", "args": args}
-    manifest = tmp_path / "demo.yaml"
-    manifest.write_text(yaml.safe_dump({"applications": [app]}))
+    speculative = {"method": "ngram", "num_speculative_tokens": 3}
+    manifest = tiny_manifest(tmp_path, smollm2_path, "demo", speculative=speculative)
     code = (
         "from cluster.demo import run_demo; "
-        f"run_demo(max_new_tokens=4, prompts=['Hi'], manifest_path={str(manifest)!r})"
+        f"run_demo(max_new_tokens=4, prompts=['Hi'], manifest_path={manifest!r})"
     )
     env = {**os.environ, "CLUSTER_COMPILE": "off"}
     done = subprocess.run(
