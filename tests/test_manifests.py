@@ -177,12 +177,20 @@ def test_openai_requests_map_onto_sampling_params():
     assert CompletionRequest(model="m", prompt=["one"]).prompt_fields() == {"prompt": "one"}
     with pytest.raises(ValueError, match="one prompt per request"):
         CompletionRequest(model="m", prompt=["one", "two"]).prompt_fields()
-    with pytest.raises(ValidationError, match="logprobs are not supported"):
-        CompletionRequest(model="m", prompt="x", logprobs=2)
-    chat = ChatCompletionRequest(
-        model="m", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=7
+    assert CompletionRequest(model="m", prompt="x", logprobs=2).sampling_params().logprobs == 2
+    assert CompletionRequest(model="m", prompt="x").sampling_params().logprobs is None
+    with pytest.raises(ValidationError, match="logprobs"):
+        CompletionRequest(model="m", prompt="x", logprobs=21)
+    hi = [{"role": "user", "content": "hi"}]
+    chat = ChatCompletionRequest(model="m", messages=hi, max_completion_tokens=7)
+    assert chat.sampling_params().max_tokens == 7 and chat.sampling_params().logprobs is None
+    chat = ChatCompletionRequest(model="m", messages=hi, logprobs=True, top_logprobs=3)
+    assert chat.sampling_params().logprobs == 3
+    assert (
+        ChatCompletionRequest(model="m", messages=hi, logprobs=True).sampling_params().logprobs == 0
     )
-    assert chat.sampling_params().max_tokens == 7
+    with pytest.raises(ValidationError, match="top_logprobs needs logprobs"):
+        ChatCompletionRequest(model="m", messages=hi, top_logprobs=3)
     assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(ValidationError, match="exactly one of prompt"):
         GenerateRequest(prompt="a", prompt_token_ids=[1])

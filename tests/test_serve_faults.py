@@ -98,7 +98,7 @@ INVALID = [
     ("max_tokens zero", {"max_tokens": 0}),
     ("max_tokens past the context", {"max_tokens": 10**6}),
     ("n", {"n": 2}),
-    ("logprobs", {"logprobs": 3}),
+    ("logprobs", {"logprobs": 21}),
     ("empty stop", {"stop": [""]}),
     ("negative stop id", {"stop_token_ids": [-1]}),
     ("stop id outside the vocabulary", {"stop_token_ids": [10**9]}),

@@ -51,6 +51,13 @@ def served(smollm2_path):
             "completion": llm.generate(PROMPT, greedy, use_tqdm=False)[0],
             "chat": llm.chat([{"role": "user", "content": QUESTION}], greedy, use_tqdm=False)[0],
         }
+    # Logprobs without speculation: the served engine (speculating) must give the same.
+    with_logprobs = greedy.model_copy(update={"logprobs": 2})
+    with LLM.from_manifest(DEFAULT, **{**FLAT, "speculative_config": None}) as plain:
+        reference["logprobs"] = plain.generate(PROMPT, with_logprobs, use_tqdm=False)[0]
+        reference["chat_logprobs"] = plain.chat(
+            [{"role": "user", "content": QUESTION}], with_logprobs, use_tqdm=False
+        )[0]
     init_local_ray(num_cpus=2)
     _, url = deploy(manifest)
     reference["speculating"] = speculating
@@ -250,6 +257,55 @@ def test_full_queue_gets_429_and_leaving_clients_free_their_requests(served):
     assert metrics["generation_tokens"] > 0 and metrics["prompt_tokens"] > 0
     if reference["speculating"]:  # the default manifest drafts with n-grams
         assert metrics["spec_decode"]["num_drafts"] > 0
+
+
+def _expected_logprobs(output):
+    """[(token id, its logprob, {top-2 token id: logprob})] of an offline output."""
+    completion = output.outputs[0]
+    rows = []
+    for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        top = {t: lp.logprob for t, lp in entry.items() if 1 <= lp.rank <= 2}
+        rows.append((token, entry[token].logprob, top))
+    return rows
+
+
+def test_logprobs_equal_the_engine_without_speculation(served):
+    url, _, reference = served
+    client = _client(url)
+    expected = _expected_logprobs(reference["logprobs"])
+    tokens = [token for token, _, _ in expected]
+    ask = dict(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    out = client.completions.create(**ask, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(tokens)
+    rows = zip(expected, lp.token_logprobs, lp.top_logprobs, strict=True)
+    for (_, logprob, top), got, got_top in rows:
+        assert abs(got - logprob) < 1e-4
+        assert len(got_top) == len(top) == 2
+        assert sorted(got_top.values()) == pytest.approx(sorted(top.values()), abs=1e-4)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    streamed = []
+    for chunk in client.completions.create(**ask, logprobs=2, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.token_logprobs
+    assert streamed == pytest.approx([logprob for _, logprob, _ in expected], abs=1e-4)
+
+    chat_expected = _expected_logprobs(reference["chat_logprobs"])
+    chat = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(
+        [logprob for _, logprob, _ in chat_expected], abs=1e-4
+    )
+    assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
+    # Every output token has one entry, the EOS that ended the answer too.
+    assert "".join(c.token for c in content).startswith(chat.choices[0].message.content)
 
 
 def test_dropped_streams_always_free_their_requests(served):

@@ -62,6 +62,22 @@ class GenerateRequest(BaseModel):
         return self
 
 
+class TopLogprob(BaseModel):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(BaseModel):
+    """An output token's log-probability (the target's log-softmax of the raw logits at
+    its position, as vLLM's default) and the `n` most likely tokens there."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
 class GenerateOutput(BaseModel):
     request_id: str
     text: str  # streamed: the new text of this chunk; otherwise the whole answer
@@ -72,6 +88,7 @@ class GenerateOutput(BaseModel):
     num_output_tokens: int = 0  # so far (cumulative)
     num_draft_tokens: int = 0  # speculative drafts verified so far
     num_accepted_tokens: int = 0  # of which accepted
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, if asked for
     engine_id: str = ""  # the replica's engine that served it
 
     @property

@@ -23,10 +23,11 @@ from ray.util.placement_group import get_current_placement_group
 from cluster.actors.client import EngineClient
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.frontend import Prompt
+from cluster.outputs import CompletionOutput
 from cluster.serve.args import ClusterArgs
 from cluster.serve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 from cluster.serve.metrics import ServerMetrics
-from cluster.serve.protocol import GenerateOutput, GenerateRequest
+from cluster.serve.protocol import GenerateOutput, GenerateRequest, TokenLogprob, TopLogprob
 
 
 class LLMServer:
@@ -55,13 +56,17 @@ class LLMServer:
             raise InvalidRequestError(str(e)) from None
         if request.stream:
             return self._run(request)
-        text, token_ids, last = [], [], None
+        text, token_ids, logprobs, last = [], [], [], None
         async for chunk in self._run(request):
             text.append(chunk.text)
             token_ids += chunk.token_ids
+            logprobs += chunk.logprobs or []
             last = chunk
         assert last is not None
-        return last.model_copy(update={"text": "".join(text), "token_ids": token_ids})
+        whole = {"text": "".join(text), "token_ids": token_ids}
+        if last.logprobs is not None:
+            whole["logprobs"] = logprobs
+        return last.model_copy(update=whole)
 
     async def _run(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         self._admit()
@@ -90,6 +95,9 @@ class LLMServer:
                     num_output_tokens=len(completion.token_ids),
                     num_draft_tokens=completion.num_draft_tokens,
                     num_accepted_tokens=completion.num_accepted_tokens,
+                    logprobs=_token_logprobs(
+                        completion, sent_tokens, request.sampling_params.logprobs or 0
+                    ),
                     engine_id=self.engine.engine_id,
                 )
                 sent_text, sent_tokens = len(completion.text), len(completion.token_ids)
@@ -162,3 +170,35 @@ class LLMServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _token_logprobs(
+    completion: CompletionOutput, start: int, num_top: int
+) -> list[TokenLogprob] | None:
+    """The logprobs of the output tokens from `start` on (None when not asked for): each
+    token's own, and the `num_top` most likely tokens at its position."""
+    if completion.logprobs is None:
+        return None
+    out = []
+    for token_id, entry in zip(
+        completion.token_ids[start:], completion.logprobs[start:], strict=True
+    ):
+        chosen = entry[token_id]
+        ranked = sorted(
+            (lp.rank, tid, lp)
+            for tid, lp in entry.items()
+            if lp.rank is not None and 1 <= lp.rank <= num_top
+        )
+        top = [
+            TopLogprob(token_id=tid, token=lp.decoded_token or "", logprob=lp.logprob)
+            for _, tid, lp in ranked
+        ]
+        out.append(
+            TokenLogprob(
+                token_id=token_id,
+                token=chosen.decoded_token or "",
+                logprob=chosen.logprob,
+                top=top,
+            )
+        )
+    return out
