@@ -104,7 +104,8 @@ def test_two_cluster_serves_each_run_their_own_ray_and_stop_on_ctrl_c(tmp_path, 
         with urllib.request.urlopen(f"{first_url}/health", timeout=30) as r:
             assert r.status == 200
         assert _complete(first_url) == 4
-        # The same manifest again (same application name), on the same machine.
+        # Only now the same manifest again (same application name), on the same machine:
+        # joining the first one's Ray is what must not happen.
         second = Server(manifest)
         second_url = second.wait_for("base URL:", 180)
         assert second_url != first_url and _complete(second_url) == 4
