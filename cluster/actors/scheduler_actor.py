@@ -66,6 +66,7 @@ class SchedulerActor:
         self._error: str | None = None
         self._stopped = False
         self._step_started: float | None = None
+        self._step_s_total = 0.0  # all steps, Ray's round trips to the workers included
         self._thread = threading.Thread(target=self._loop, name="cluster-step-loop", daemon=True)
         self._thread.start()
 
@@ -130,6 +131,15 @@ class SchedulerActor:
             "num_live_requests": len(self._live),
         }
 
+    def timings(self) -> dict[str, Any]:
+        """Cumulative step time here (scheduling, the round trips to every worker, applying
+        the result) and each worker's own (`benchmarks/ray_step_cost.py`)."""
+        return {
+            "steps": self._stats.num_steps,
+            "step_s": self._step_s_total,
+            "workers": self.executor.stage_timings(),
+        }
+
     def shutdown(self) -> None:
         with self._cv:
             self._stopped = True
@@ -159,6 +169,7 @@ class SchedulerActor:
                     self._step_started = started = time.monotonic()
                     published += core.step()
                     self._step_started = None
+                    self._step_s_total += time.monotonic() - started
                     self._publish(published, time.monotonic() - started)
                 elif published:
                     self._publish(published, None)

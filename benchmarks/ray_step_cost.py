@@ -1,0 +1,142 @@
+"""What Ray adds to an engine step: the same engine in this process (`AsyncLLM`) and on
+Ray actors (`EngineClient`: a scheduler actor and one worker actor), without Serve.
+
+For concurrency 1 and 16 (greedy, ignore_eos, `--max-tokens` each), it reports per step:
+the in-process step; the Ray worker's own step (the model, msgpack included); the
+scheduler actor's step (scheduling, the round trip to the worker, applying the result);
+the step as the client sees it (wall time over steps: the pump's long poll and the
+delivery to the request's stream included). The differences are Ray's submission and
+wait, and the delivery. Runs alternate in-process and Ray (A, B, B, A) and report medians.
+
+    python benchmarks/ray_step_cost.py [--model PATH] [--max-tokens 64] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+import warnings
+from typing import Any
+
+os.environ.setdefault("CLUSTER_COMPILE", "off")
+warnings.filterwarnings("ignore")
+
+PROMPTS = [f"Tell me something interesting about topic number {i}." for i in range(16)]
+
+
+async def _run_all(generate: Any, prompts: list[str], params: Any) -> int:
+    async def one(prompt: str) -> int:
+        last = None
+        async for out in generate(prompt, params):
+            last = out
+        return len(last.outputs[0].token_ids)
+
+    return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def in_process(config: Any, prompts: list[str], params: Any) -> dict[str, float]:
+    from cluster.engine.async_llm import AsyncLLM
+    from cluster.llm import build_engine
+
+    engine = AsyncLLM(build_engine(config))
+    core = engine.engine.core
+    steps = [0]
+    original = core.step
+
+    def counted() -> Any:
+        steps[0] += 1
+        return original()
+
+    core.step = counted
+    try:
+        asyncio.run(_run_all(engine.generate, prompts[:1], params))  # warm-up
+        steps[0] = 0
+        start = time.perf_counter()
+        tokens = asyncio.run(_run_all(engine.generate, prompts, params))
+        wall = time.perf_counter() - start
+    finally:
+        engine.shutdown()
+    return {"step_ms": 1e3 * wall / steps[0], "tok_s": tokens / wall}
+
+
+def on_ray(config: Any, prompts: list[str], params: Any) -> dict[str, float]:
+    import ray
+
+    from cluster.actors import EngineClient, PlacementConfig
+
+    client = EngineClient(config, PlacementConfig(worker_cpus=1, threads_per_worker=2))
+    try:
+
+        async def run(batch: list[str]) -> int:
+            return await _run_all(client.generate, batch, params)
+
+        asyncio.run(run(prompts[:1]))  # warm-up
+        before = ray.get(client.scheduler.timings.remote())
+        start = time.perf_counter()
+        tokens = asyncio.run(run(prompts))
+        wall = time.perf_counter() - start
+        after = ray.get(client.scheduler.timings.remote())
+    finally:
+        client.shutdown()
+    steps = after["steps"] - before["steps"]
+    worker_s = after["workers"][0]["step_s"] - before["workers"][0]["step_s"]
+    return {
+        "worker_ms": 1e3 * worker_s / steps,
+        "scheduler_ms": 1e3 * (after["step_s"] - before["step_s"]) / steps,
+        "client_ms": 1e3 * wall / steps,
+        "tok_s": tokens / wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", help="a checkpoint folder (default: the embedded model)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2, help="A, B, B, A pairs")
+    args = parser.parse_args()
+
+    import ray
+
+    from cluster import SamplingParams
+    from cluster.config import engine_config_from_args
+    from cluster.models.default_model import ensure_default_model
+
+    config = engine_config_from_args(
+        args.model or ensure_default_model(), device="cpu", dtype="float32", max_model_len=512
+    )
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    print(
+        "| concurrency | in-process ms/step | Ray worker ms/step | scheduler actor ms/step "
+        "| client ms/step | Ray submit+wait ms | delivery ms | tok/s Ray / in-process |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for concurrency in (1, 16):
+        prompts = PROMPTS[:concurrency]
+        local: list[dict[str, float]] = []
+        remote: list[dict[str, float]] = []
+        for _ in range(args.rounds):
+            local.append(in_process(config, prompts, params))
+            remote.append(on_ray(config, prompts, params))
+            remote.append(on_ray(config, prompts, params))
+            local.append(in_process(config, prompts, params))
+
+        def med(runs: list[dict[str, float]], key: str) -> float:
+            return statistics.median(r[key] for r in runs)
+
+        worker, scheduler, client = (
+            med(remote, k) for k in ("worker_ms", "scheduler_ms", "client_ms")
+        )
+        print(
+            f"| {concurrency} | {med(local, 'step_ms'):.2f} | {worker:.2f} | {scheduler:.2f} "
+            f"| {client:.2f} | {scheduler - worker:.2f} | {client - scheduler:.2f} "
+            f"| {med(remote, 'tok_s') / med(local, 'tok_s'):.2f} |"
+        )
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
