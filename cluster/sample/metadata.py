@@ -125,15 +125,17 @@ class SamplingMetadata:
 def _logit_bias(
     params: Sequence[SamplingParams], vocab_size: int, device: torch.device
 ) -> torch.Tensor | None:
-    if not any(p.logit_bias for p in params):
+    """[batch, vocab] float32 biases (one scatter, on the device), or None when unused."""
+    pairs = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+    if not pairs:
         return None
-    table = torch.zeros(len(params), vocab_size, dtype=torch.float32)
-    for i, p in enumerate(params):
-        for token, bias in p.logit_bias:
-            if not 0 <= token < vocab_size:
-                raise ValueError(f"params[{i}].logit_bias: token {token} is outside the vocabulary")
-            table[i, token] = bias
-    return table.to(device)
+    rows, tokens, biases = zip(*pairs, strict=True)
+    if not all(0 <= t < vocab_size for t in tokens):
+        raise ValueError(f"logit_bias token ids must lie in [0, {vocab_size})")
+    table = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
+    index = torch.tensor([rows, tokens], dtype=torch.int64, device=device)
+    table[index[0], index[1]] = torch.tensor(biases, dtype=torch.float32, device=device)
+    return table
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
