@@ -1,12 +1,14 @@
 """What Ray adds to an engine step: the same engine in this process (`AsyncLLM`) and on
 Ray actors (`EngineClient`: a scheduler actor and one worker actor), without Serve.
 
-For concurrency 1 and 16 (greedy, ignore_eos, `--max-tokens` each), it reports per step:
-the in-process step; the Ray worker's own step (the model, msgpack included); the
-scheduler actor's step (scheduling, the round trip to the worker, applying the result);
-the step as the client sees it (wall time over steps: the pump's long poll and the
-delivery to the request's stream included). The differences are Ray's submission and
-wait, and the delivery. Runs alternate in-process and Ray (A, B, B, A) and report medians.
+For concurrency 1 and 16 (greedy, ignore_eos, `--max-tokens` each), and for each way the
+scheduler actor reaches its workers (`placement.step_channel`: one Ray task per rank per
+step, a socket per rank, a Ray Compiled Graph), it reports per step: the in-process step; the Ray worker's own step (the model,
+msgpack included); the scheduler actor's step (scheduling, the round trip to the worker,
+applying the result); the step as the client sees it (wall time over steps: the pump's
+long poll and the delivery to the request's stream included). The differences are Ray's
+submission and wait (in microseconds), and the delivery. Runs alternate (in-process, then
+each channel, then the channels in reverse, then in-process) and report medians.
 
     python benchmarks/ray_step_cost.py [--model PATH] [--max-tokens 64] [--rounds 2]
 """
@@ -24,6 +26,7 @@ from typing import Any
 os.environ.setdefault("CLUSTER_COMPILE", "off")
 warnings.filterwarnings("ignore")
 
+CHANNELS = ("tasks", "sockets", "compiled_graph")  # `placement.step_channel`
 PROMPTS = [f"Tell me something interesting about topic number {i}." for i in range(16)]
 
 
@@ -62,12 +65,13 @@ def in_process(config: Any, prompts: list[str], params: Any) -> dict[str, float]
     return {"step_ms": 1e3 * wall / steps[0], "tok_s": tokens / wall}
 
 
-def on_ray(config: Any, prompts: list[str], params: Any) -> dict[str, float]:
+def on_ray(config: Any, prompts: list[str], params: Any, channel: str) -> dict[str, float]:
     import ray
 
     from cluster.actors import EngineClient, PlacementConfig
 
-    client = EngineClient(config, PlacementConfig(worker_cpus=1, threads_per_worker=2))
+    placement = PlacementConfig(worker_cpus=1, threads_per_worker=2, step_channel=channel)
+    client = EngineClient(config, placement)
     try:
 
         async def run(batch: list[str]) -> int:
@@ -96,6 +100,8 @@ def main() -> None:
     parser.add_argument("--model", help="a checkpoint folder (default: the embedded model)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="A, B, B, A pairs")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--channels", nargs="+", default=list(CHANNELS), choices=CHANNELS)
     args = parser.parse_args()
 
     import ray
@@ -110,31 +116,35 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(
-        "| concurrency | in-process ms/step | Ray worker ms/step | scheduler actor ms/step "
-        "| client ms/step | Ray submit+wait ms | delivery ms | tok/s Ray / in-process |"
+        "| concurrency | steps via | in-process ms/step | Ray worker ms/step "
+        "| scheduler actor ms/step | client ms/step | Ray submit+wait us | delivery us "
+        "| tok/s Ray / in-process |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for concurrency in (1, 16):
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for concurrency in args.concurrency:
         prompts = PROMPTS[:concurrency]
         local: list[dict[str, float]] = []
-        remote: list[dict[str, float]] = []
+        remote: dict[str, list[dict[str, float]]] = {c: [] for c in args.channels}
         for _ in range(args.rounds):
             local.append(in_process(config, prompts, params))
-            remote.append(on_ray(config, prompts, params))
-            remote.append(on_ray(config, prompts, params))
+            for channel in args.channels + args.channels[::-1]:
+                remote[channel].append(on_ray(config, prompts, params, channel))
             local.append(in_process(config, prompts, params))
 
         def med(runs: list[dict[str, float]], key: str) -> float:
             return statistics.median(r[key] for r in runs)
 
-        worker, scheduler, client = (
-            med(remote, k) for k in ("worker_ms", "scheduler_ms", "client_ms")
-        )
-        print(
-            f"| {concurrency} | {med(local, 'step_ms'):.2f} | {worker:.2f} | {scheduler:.2f} "
-            f"| {client:.2f} | {scheduler - worker:.2f} | {client - scheduler:.2f} "
-            f"| {med(remote, 'tok_s') / med(local, 'tok_s'):.2f} |"
-        )
+        for channel, runs in remote.items():
+            worker, scheduler, client = (
+                med(runs, k) for k in ("worker_ms", "scheduler_ms", "client_ms")
+            )
+            print(
+                f"| {concurrency} | {channel} "
+                f"| {med(local, 'step_ms'):.2f} | {worker:.2f} | {scheduler:.2f} "
+                f"| {client:.2f} | {1e3 * (scheduler - worker):.0f} "
+                f"| {1e3 * (client - scheduler):.0f} "
+                f"| {med(runs, 'tok_s') / med(local, 'tok_s'):.3f} |"
+            )
     ray.shutdown()
 
 

@@ -4,7 +4,8 @@ OpenAI route, with the `openai` client), streamed and not, at concurrency 1 and 
 
 `c` clients each send requests back to back (greedy, `--max-tokens` tokens, ignore_eos)
 until `--requests-per-client` each are done; in process, each round of `c` requests is
-one batch. Prints a markdown table; the last column is throughput relative to the
+one batch. Both engines stay up and the paths run interleaved (every path, then every
+path in reverse, `--rounds` times); the table reports medians. Prints a markdown table; the last column is throughput relative to the
 in-process engine, and the lines below it estimate what Ray adds per engine step at
 concurrency 1 (each step is one token then, without speculation).
 
@@ -44,22 +45,18 @@ async def measure(call: Call, concurrency: int, per_client: int) -> dict[str, fl
     return _summary(latencies, tokens, time.perf_counter() - start)
 
 
-def in_process(engine_args: dict, params, concurrency: int, per_client: int) -> dict:
+def in_process(llm, params, concurrency: int, per_client: int) -> dict:
     """The same engine here: `per_client` rounds of `concurrency` requests, each round one
     `LLM.generate` batch (clients in lockstep; with ignore_eos they finish together)."""
-    from cluster import LLM
-
-    with LLM(**engine_args) as llm:
-        llm.generate(PROMPTS[:1], params, use_tqdm=False)  # warm-up
-        latencies, tokens, start = [], 0, time.perf_counter()
-        for r in range(per_client):
-            batch = PROMPTS[r * concurrency : (r + 1) * concurrency]
-            begin = time.perf_counter()
-            outs = llm.generate(batch, params, use_tqdm=False)
-            latencies += [time.perf_counter() - begin] * len(batch)
-            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-        wall = time.perf_counter() - start
-    return _summary(latencies, tokens, wall)
+    llm.generate(PROMPTS[:1], params, use_tqdm=False)  # warm-up
+    latencies, tokens, start = [], 0, time.perf_counter()
+    for r in range(per_client):
+        batch = PROMPTS[r * concurrency : (r + 1) * concurrency]
+        begin = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        latencies += [time.perf_counter() - begin] * len(batch)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    return _summary(latencies, tokens, time.perf_counter() - start)
 
 
 def _summary(latencies: list[float], tokens: int, wall: float) -> dict[str, float]:
@@ -128,6 +125,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="each a forward and a reverse pass")
     parser.add_argument("--num-cpus", type=float, default=None, help="for a local Ray")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads, here and per worker actor"
@@ -137,7 +135,7 @@ def main() -> None:
     import ray
     import torch
 
-    from cluster import SamplingParams
+    from cluster import LLM, SamplingParams
     from cluster.serve import load_manifest
 
     torch.set_num_threads(args.threads)
@@ -151,21 +149,31 @@ def main() -> None:
             model={"path": args.model, "id": "model", "max_model_len": None}
         )
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    results: dict[tuple[str, int], dict[str, float]] = {}
     base = "in-process LLM.generate"
-    for c in args.concurrency:  # before Ray starts, so the two never compete for the cores
-        results[base, c] = in_process(
-            manifest.args.engine_args(), params, c, args.requests_per_client
-        )
-        print(f"  {base:24s} c={c:<3d} {results[base, c]}", flush=True)
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    # Both engines stay up; an idle one costs no CPU. Each round measures every path,
+    # then again in reverse order (A, B, ..., B, A), and the table reports medians.
+    llm = LLM(**manifest.args.engine_args())
     try:
+        paths: dict[str, Callable[[int], dict[str, float]]] = {
+            base: lambda c: in_process(llm, params, c, args.requests_per_client)
+        }
         for name, call in ray_calls(manifest, params).items():
+            paths[name] = lambda c, call=call: asyncio.run(
+                measure(call, c, args.requests_per_client)
+            )
+        for _ in range(args.rounds):
             for c in args.concurrency:
-                results[name, c] = asyncio.run(measure(call, c, args.requests_per_client))
-                print(f"  {name:24s} c={c:<3d} {results[name, c]}", flush=True)
+                for name in [*paths, *reversed(paths)]:
+                    runs.setdefault((name, c), []).append(paths[name](c))
+                    print(f"  {name:24s} c={c:<3d} {runs[name, c][-1]}", flush=True)
     finally:
+        llm.shutdown()
         ray.shutdown()
+    results = {
+        key: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for key, rs in runs.items()
+    }
 
     spec = "off" if manifest.args.speculative is None else manifest.args.speculative["method"]
     print(

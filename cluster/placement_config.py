@@ -23,6 +23,21 @@ class PlacementConfig(BaseModel):
     replica_cpus: float = Field(default=0.1, ge=0.0)
     # torch intra-op threads per worker; None means max(1, round(worker_cpus)).
     threads_per_worker: int | None = Field(default=None, ge=1)
+    # How each step reaches the workers (the scheduler actor sends it to every rank):
+    # "compiled_graph", a Ray Compiled Graph (shared-memory channels on a node);
+    # "sockets", one socket per rank, served by a thread in the worker; "tasks", one Ray
+    # task per rank. Ray's channel readers wait by spinning (a core each for the
+    # scheduler actor and every idle worker), which pays where ranks own GPUs and their
+    # cores and costs model time where ranks share a few CPU cores, so "auto" is
+    # "compiled_graph" with GPUs and "sockets" without. If the channel cannot be set up,
+    # the engine falls back to tasks (and logs why).
+    step_channel: Literal["auto", "compiled_graph", "sockets", "tasks"] = "auto"
+
+    @property
+    def resolved_step_channel(self) -> str:
+        if self.step_channel != "auto":
+            return self.step_channel
+        return "compiled_graph" if self.use_gpu else "sockets"
 
     def bundles(self, world_size: int) -> list[dict[str, float]]:
         """One bundle per rank; bundle 0 also carries the replica's CPUs."""

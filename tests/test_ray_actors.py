@@ -17,6 +17,8 @@ from cluster import LLM, SamplingParams
 from cluster.actors import EngineClient, PlacementConfig, RayExecutor
 from cluster.actors.client import detached
 from cluster.actors.ray_executor import _process_exists
+from cluster.actors.step_graph import StepGraph
+from cluster.actors.step_sockets import StepSockets
 from cluster.config import engine_config_from_args
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.frontend import _newest
@@ -27,6 +29,7 @@ SHORT = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # for 3 Sm
 PROMPTS = ["What is the capital of France?", "Name a colour.", "one two three four"]
 ENGINE = dict(dtype="float32", max_model_len=128, num_kv_blocks=64)
 HALF_CPU = PlacementConfig(worker_cpus=0.5, threads_per_worker=1)
+CHANNELS = {"compiled_graph": StepGraph, "sockets": StepSockets, "tasks": type(None)}
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +56,16 @@ def in_process(path, prompts, chat=False, params=GREEDY):
         return [o.outputs[0].token_ids for o in outs]
 
 
-def test_tp2_worker_actors_match_in_process_engine(ray_session, tiny):
+@pytest.mark.parametrize("channel", list(CHANNELS))
+def test_tp2_worker_actors_match_in_process_engine(ray_session, tiny, channel):
     config = engine_config_from_args(tiny, tensor_parallel_size=2, device="cpu", **ENGINE)
-    executor = RayExecutor(config, HALF_CPU)
+    executor = RayExecutor(config, HALF_CPU.model_copy(update={"step_channel": channel}))
     layout = executor.describe()
     assert [w["rank"] for w in layout] == [0, 1]
     assert sorted(w["bundle"] for w in layout) == [0, 1]
     assert len({w["pid"] for w in layout}) == 2  # two processes, one shard each
     engine = build_engine(config, executor)
+    assert type(executor.step_channel) is CHANNELS[channel]
     try:
         ids = [engine.next_request_id() for _ in PROMPTS]
         for request_id, prompt in zip(ids, PROMPTS, strict=True):
@@ -72,6 +77,45 @@ def test_tp2_worker_actors_match_in_process_engine(ray_session, tiny):
     finally:
         engine.shutdown()
     assert [done[i] for i in ids] == in_process(tiny, PROMPTS)
+
+
+@pytest.mark.parametrize("channel", ["compiled_graph", "sockets"])
+def test_a_rank_that_raises_fails_the_step_while_its_peer_waits_in_a_collective(
+    ray_session, tiny, channel
+):
+    """Rank 1 raises while rank 0 waits in an all-reduce for it (forever): the step must
+    still fail at once with rank 1's error (a compiled graph hands back all ranks' replies
+    together, so its wait asks the ranks)."""
+    config = engine_config_from_args(tiny, tensor_parallel_size=2, device="cpu", **ENGINE)
+    executor = RayExecutor(config, HALF_CPU.model_copy(update={"step_channel": channel}))
+
+    def poison(actor):  # runs inside rank 1's actor
+        worker = actor.worker
+        execute_model = worker.execute_model
+
+        def failing(payload):
+            if b"poisoned-request" in payload:
+                raise RuntimeError("injected fault")
+            return execute_model(payload)
+
+        worker.execute_model = failing
+
+    ray.get(executor.workers[1].__ray_call__.remote(poison))
+    engine = build_engine(config, executor)
+    assert type(executor.step_channel) is CHANNELS[channel]
+    try:
+        engine.add_request("poisoned-request", "hello there", GREEDY)
+        start = time.monotonic()
+        with pytest.raises(
+            RuntimeError, match=r"worker rank 1.s step failed: RuntimeError: injected fault"
+        ):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 10.0
+    finally:
+        started = time.monotonic()
+        engine.shutdown()
+        assert time.monotonic() - started < 10.0  # the stuck rank is killed, not waited for
 
 
 async def _generate_all(client, prompts, params=GREEDY):

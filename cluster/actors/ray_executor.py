@@ -6,11 +6,18 @@ pinned to the bundles of a placement group (the Serve replica's, one passed in, 
 created here), they are ranked by node then bundle before torch.distributed starts, and
 the rendezvous address is found at run time on the rank-0 worker's node.
 
+Once the KV cache exists, steps go through the channel `placement.step_channel` names: a
+Ray Compiled Graph (`StepGraph`, the default with GPUs), one socket per rank
+(`StepSockets`, the default on CPUs) or one Ray task per rank. Every other call, and
+every step when a channel cannot be opened (a log line says why), is one Ray task per rank.
+
 Waiting is fail-fast: the first rank that dies or raises ends the call with its error,
 so a lost worker fails the step within seconds instead of hanging on its peers. Ray can
 take many seconds to report a worker process that simply exited (a kill, the OOM
 killer) on a loaded machine, so the wait also checks, twice a second, that the processes
-of the ranks on this node still exist.
+of the ranks on this node still exist. A compiled graph returns all ranks' replies at
+once, so while a step runs long its wait also asks each rank (outside the graph)
+whether its last step raised: its peers may be stuck in a collective meanwhile.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from cluster.actors.placement import (
     rank_order,
     rendezvous_host,
 )
+from cluster.actors.step_graph import StepGraph
+from cluster.actors.step_sockets import StepSockets
 from cluster.actors.worker_actor import WorkerActor
 from cluster.config import EngineConfig
 from cluster.engine.executor import Executor, PendingOutput
@@ -64,6 +73,8 @@ class RayExecutor(Executor):
         world_size = config.parallel.world_size
         self.workers: list[Any] = []
         self.slots: list[WorkerSlot] = []
+        self.step_channel: StepGraph | StepSockets | None = None
+        self._failed = False  # a step failed: workers may be stuck in a collective
         self._own_pg = None
         pg = placement_group or get_current_placement_group()
         if pg is None:
@@ -134,9 +145,22 @@ class RayExecutor(Executor):
                 continue
             try:
                 ray.get(ready[0])
-            except ray.exceptions.RayActorError as e:
-                raise RuntimeError(f"worker rank {index[ready[0]]} is dead ({e})") from e
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                raise _worker_error(index[ready[0]], e) from e
         return ray.get(refs)
+
+    def _raise_if_failed(self) -> None:
+        """Raise if a rank's process exited or its last step raised (used while a compiled
+        graph's step runs long; a rank that does not answer within the tick is skipped)."""
+        self._raise_if_exited(list(range(len(self.workers))))
+        pings = [w.ping.remote() for w in self.workers]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=_LIVENESS_CHECK_S)
+        for rank, ref in enumerate(pings):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as e:
+                    raise _worker_error(rank, e) from e
 
     def _raise_if_exited(self, ranks: list[int]) -> None:
         """Raise if the process of any of `ranks` that runs on this node has exited."""
@@ -153,18 +177,58 @@ class RayExecutor(Executor):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._get_all([w.initialize_kv_cache.remote(num_blocks) for w in self.workers], 600)
+        self.step_channel = self._open_step_channel()
+
+    def _open_step_channel(self) -> StepGraph | StepSockets | None:
+        kind = self.placement.resolved_step_channel
+        try:
+            if kind == "compiled_graph":
+                inflight = self.config.parallel.pipeline_parallel_size + 1
+                channel: StepGraph | StepSockets = StepGraph(self.workers, inflight)
+            elif kind == "sockets":
+                hosts = [slot.node_ip for slot in self.slots]
+                channel = StepSockets(self.workers, hosts, timeout_s=60)
+            else:
+                logger.info("placement.step_channel is 'tasks': one Ray task per rank per step")
+                return None
+        except Exception as e:  # an older Ray, or channels this layout cannot have
+            logger.warning(
+                "the %s step channel is unavailable here (%s: %s); each step is one Ray "
+                "task per rank instead",
+                kind,
+                type(e).__name__,
+                e,
+            )
+            return None
+        logger.info("steps reach the %d ranks through %s", len(self.workers), kind)
+        return channel
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.submit_model(scheduler_output)()
 
     def submit_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
-        # An actor runs its calls in submission order: stage 0 starts the next step while
-        # the later stages finish this one.
+        # Every rank takes its steps in submission order: stage 0 starts the next step
+        # while the later stages finish this one.
         payload = scheduler_output.encode()
-        refs = [w.execute_model.remote(payload) for w in self.workers]
+        channel = self.step_channel
+        if channel is None:
+            refs = [w.execute_model.remote(payload) for w in self.workers]
+
+            def wait_tasks() -> ModelRunnerOutput:
+                replies = self._get_all(refs, self.step_timeout_s)
+                return ModelRunnerOutput.decode(replies[self.output_rank])
+
+            return wait_tasks
+        submitted = channel.submit(payload)
 
         def wait() -> ModelRunnerOutput:
-            replies = self._get_all(refs, self.step_timeout_s)
+            try:
+                replies = channel.wait(
+                    submitted, self.step_timeout_s, _LIVENESS_CHECK_S, self._raise_if_failed
+                )
+            except BaseException:
+                self._failed = True
+                raise
             return ModelRunnerOutput.decode(replies[self.output_rank])
 
         return wait
@@ -185,15 +249,29 @@ class RayExecutor(Executor):
 
     def shutdown(self) -> None:
         # Killing is the shutdown: a rank may be blocked in a collective with a dead peer,
-        # and the process exit frees its memory and its process group either way.
+        # and the process exit frees its memory and its process group either way. A healthy
+        # graph is torn down first (its loops leave cleanly), a failed one after the kill.
+        channel, self.step_channel = self.step_channel, None
+        if channel is not None and not self._failed:
+            channel.close(workers_alive=True)
         for worker in self.workers:
             with contextlib.suppress(Exception):
                 ray.kill(worker, no_restart=True)
+        if channel is not None and self._failed:
+            channel.close(workers_alive=False)
         self.workers = []
         if self._own_pg is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(self._own_pg)
             self._own_pg = None
+
+
+def _worker_error(rank: int | str, error: Exception) -> RuntimeError:
+    """`error` from a worker call as the engine reports it: which rank, dead or failed."""
+    if isinstance(error, ray.exceptions.RayActorError):
+        return RuntimeError(f"worker rank {rank} is dead ({error})")
+    cause = getattr(error, "cause", None) or error
+    return RuntimeError(f"worker rank {rank}'s step failed: {type(cause).__name__}: {cause}")
 
 
 def _process_exists(pid: int) -> bool:

@@ -3,17 +3,22 @@
 The actor starts empty (cheap: no torch.distributed, no weights), reports where it
 landed, and only becomes rank `r` when the executor calls `init_worker` after ranking
 every worker. Model steps run in the default concurrency group (one at a time, in
-order); `ping` has its own group so health checks answer while a step is running.
+order), as tasks, inside a compiled graph's loop (`StepGraph`) or inside the call that
+serves the step socket (`StepSockets`); `ping` and
+`stage_timings` have their own group so they answer while a step or that loop runs. A
+step that raised makes every later ping raise its error.
 """
 
 from __future__ import annotations
 
 import os
+from multiprocessing.connection import Listener
 
 import ray
 import torch
 
 from cluster.actors.placement import WorkerSlot
+from cluster.actors.step_sockets import serve_steps
 from cluster.config import EngineConfig
 from cluster.parallel.spawn import free_port
 from cluster.worker.worker import Worker
@@ -26,6 +31,8 @@ class WorkerActor:
         self.bundle_index = bundle_index
         self.rank: int | None = None
         self.worker: Worker | None = None
+        self.step_error: BaseException | None = None
+        self.step_listener: Listener | None = None
 
     def slot(self) -> WorkerSlot:
         context = ray.get_runtime_context()
@@ -56,11 +63,30 @@ class WorkerActor:
     def execute_model(self, payload: bytes) -> bytes | None:
         """One step: msgpack `SchedulerOutput` in, msgpack `ModelRunnerOutput` out (or None
         on every rank but TP rank 0 of the last pipeline stage)."""
-        return self._worker().execute_model(payload)
+        try:
+            return self._worker().execute_model(payload)
+        except BaseException as e:
+            self.step_error = e
+            raise
 
+    def open_step_socket(self, host: str, authkey: bytes) -> tuple[str, int]:
+        """Listen on `host` for the executor's step connection (`StepSockets`); returns
+        the address to connect to. `serve_step_socket` then serves it."""
+        self.step_listener = Listener((host, 0), authkey=authkey)
+        return self.step_listener.address
+
+    def serve_step_socket(self) -> None:
+        """Answer steps from the step socket until the executor closes it: one long call
+        in the default group, so steps run on the thread that runs this actor's tasks."""
+        serve_steps(self.step_listener, self.execute_model)
+
+    @ray.method(concurrency_group="health")
     def stage_timings(self) -> dict[str, float]:
         return self._worker().stage_timings()
 
     @ray.method(concurrency_group="health")
     def ping(self) -> int | None:
+        """This rank, or raises the error of its failed step again."""
+        if self.step_error is not None:
+            raise self.step_error
         return self.rank
