@@ -21,7 +21,7 @@ from cluster.actors.step_graph import StepGraph
 from cluster.actors.step_sockets import StepSockets
 from cluster.config import engine_config_from_args
 from cluster.engine.errors import EngineDeadError
-from cluster.engine.frontend import _newest
+from cluster.engine.frontend import _newest, stream_outputs
 from cluster.llm import build_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -247,6 +247,31 @@ def test_stream_outputs_merge_within_the_interval():
         assert isinstance(await _newest(queue, 10.0), RuntimeError)
 
     asyncio.run(main())
+
+
+def test_a_stream_asks_its_interval_after_each_output():
+    """`stream_outputs` with a function: asked once per yielded output, and the waits it
+    returns decide what merges (0: each output alone; long: merged to the final one)."""
+
+    class Out:
+        def __init__(self, n, finished=False):
+            self.n, self.finished = n, finished
+
+    async def main(waits):
+        queue, asked = asyncio.Queue(), []
+
+        def interval():
+            asked.append(len(asked))
+            return waits[len(asked) - 1]
+
+        loop = asyncio.get_running_loop()
+        for n in range(4):
+            loop.call_later(0.03 * n, queue.put_nowait, Out(n, finished=n == 3))
+        seen = [out.n async for out in stream_outputs(queue, interval)]
+        return seen, len(asked)
+
+    assert asyncio.run(main([0.0, 0.0, 0.0])) == ([0, 1, 2, 3], 3)
+    assert asyncio.run(main([10.0])) == ([0, 3], 1)
 
 
 def test_an_abort_that_overtakes_its_add_drops_the_request(ray_session, tiny):

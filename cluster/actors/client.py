@@ -93,10 +93,11 @@ class EngineClient:
         prompt: Prompt,
         params: SamplingParams,
         request_id: str | None = None,
-        interval_s: float = 0.0,
+        interval_s: float | Callable[[], float] = 0.0,
     ) -> AsyncIterator[RequestOutput]:
         """Incremental outputs (cumulative text and token ids) until the request finishes,
-        merged within `interval_s` after the first (`frontend.stream_outputs`). A bad
+        merged within `interval_s` (or what it returns, asked after each output) after the
+        first (`frontend.stream_outputs`). A bad
         prompt or parameter raises ValueError before the engine sees the request; leaving
         the iteration early (a client disconnect) aborts it and frees its blocks.
         """

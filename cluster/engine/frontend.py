@@ -14,7 +14,7 @@ The offline `LLM` (through `LLMEngine`), `AsyncLLM` and the Serve replica's
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from math import inf
 from typing import Any
@@ -178,11 +178,13 @@ def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
     stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
 
-async def stream_outputs(queue: asyncio.Queue, interval_s: float = 0.0) -> AsyncIterator[Any]:
+async def stream_outputs(
+    queue: asyncio.Queue, interval_s: float | Callable[[], float] = 0.0
+) -> AsyncIterator[Any]:
     """A stream's outputs (cumulative) until the finished one; an exception put in the
-    queue is raised. The first output comes as soon as it exists; after that, outputs
-    that arrive within `interval_s` of each other are merged (only the newest is
-    yielded), so a stream costs fewer messages downstream."""
+    queue is raised. The first output comes as soon as it exists; after each, outputs
+    that arrive within `interval_s` (a number, or a function asked each time) are merged
+    (only the newest is yielded), so a stream costs fewer messages downstream."""
     wait_s = 0.0
     while True:
         item = await _newest(queue, wait_s)
@@ -191,7 +193,7 @@ async def stream_outputs(queue: asyncio.Queue, interval_s: float = 0.0) -> Async
         yield item
         if item.finished:
             return
-        wait_s = interval_s
+        wait_s = interval_s() if callable(interval_s) else interval_s
 
 
 async def _newest(queue: asyncio.Queue, wait_s: float) -> Any:

@@ -52,9 +52,11 @@ class ServerArgs(_Frozen):
     api_key_env: str | None = None
     # Requests waiting for admission (KV blocks, sequence slots) beyond which new ones get 429.
     max_waiting_requests: int | None = Field(default=None, ge=1)
-    # A stream sends at most one chunk per interval after the first (newer tokens merge
-    # into it): fewer messages through Serve, for at most this much added delay.
-    stream_interval_s: float = Field(default=0.05, ge=0.0)
+    # The replica's streams together send about this many chunks per second at most:
+    # after each chunk a stream merges newer tokens for (live requests) / this rate, so
+    # one stream gets each step's tokens at once (1 ms at the default) and 64 streams
+    # send a chunk each per 64 ms instead of flooding Serve with one-token messages.
+    stream_chunks_per_s: float = Field(default=1000.0, gt=0)
     # A single engine step running longer than this makes the health check fail.
     stall_timeout_s: float = Field(default=60.0, gt=0)
     health_timeout_s: float = Field(default=10.0, gt=0)

@@ -79,7 +79,7 @@ class LLMServer:
         try:
             prompt = self._prompt(request)
             # Without streaming, only the final output matters: wait for it (inf).
-            interval = self.args.server.stream_interval_s if request.stream else inf
+            interval = self._stream_interval if request.stream else inf
             outputs = self.engine.generate(prompt, request.sampling_params, request_id, interval)
             async for out in outputs:
                 completion = out.outputs[0]
@@ -112,6 +112,10 @@ class LLMServer:
             raise InvalidRequestError(str(e)) from None
         finally:
             self._record(outcome, last, start, first_token_at)
+
+    def _stream_interval(self) -> float:
+        """How long a stream merges newer tokens after a chunk (`stream_chunks_per_s`)."""
+        return self.engine.num_unfinished_requests / self.args.server.stream_chunks_per_s
 
     def _admit(self) -> None:
         if self.engine.error is not None:
