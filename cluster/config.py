@@ -148,6 +148,8 @@ class CacheConfig(_Frozen):
     cpu_kv_cache_gib: float = Field(default=1.0, gt=0.0)
     # Overrides the measured number of KV blocks (tests use it to force preemption).
     num_kv_blocks: int | None = Field(default=None, ge=1)
+    # Reuse the KV (the draft's too) of whole blocks whose tokens an earlier request had.
+    enable_prefix_caching: bool = True
 
 
 class SchedulerConfig(_Frozen):
@@ -267,6 +269,7 @@ _FLAT_ARGS = {
     "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "cpu_kv_cache_gib": ("cache", "cpu_kv_cache_gib"),
     "num_kv_blocks": ("cache", "num_kv_blocks"),
+    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),

@@ -11,12 +11,12 @@ from cluster.sampling_params import SamplingParams
 
 
 def make_scheduler(
-    num_blocks=100, block_size=4, max_num_seqs=8, budget=32, max_len=64, chunked=True
+    num_blocks=100, block_size=4, max_num_seqs=8, budget=32, max_len=64, chunked=True, cache=True
 ):
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
     )
-    return Scheduler(config, KVBlockManager(num_blocks, block_size), max_len)
+    return Scheduler(config, KVBlockManager(num_blocks, block_size, cache), max_len)
 
 
 def request(req_id, prompt_len, **params):
@@ -72,9 +72,10 @@ def test_budget_shared_running_first_then_fcfs():
     assert [(i.req_id, len(i.token_ids)) for i in so.scheduled] == [("a", 1), ("b", 4)]
 
 
-def test_preemption_frees_blocks_and_resumes_by_recompute():
+@pytest.mark.parametrize("cache", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_preemption_frees_blocks_and_resumes_by_recompute(cache):
     # 6 blocks of 4 tokens; one sequence may reach max_len=24 (6 blocks), two cannot.
-    s = make_scheduler(num_blocks=6, block_size=4, budget=64, max_len=24)
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, max_len=24, cache=cache)
     s.add_request(request("a", 8))
     s.add_request(request("b", 8))
     b = s.requests["b"]
@@ -90,9 +91,11 @@ def test_preemption_frees_blocks_and_resumes_by_recompute():
         if not s.has_unfinished_requests():
             break
     assert b.num_preemptions >= 1
-    # b came back with its outputs and recomputed everything from position 0
+    # b came back with its outputs and recomputed everything from position 0, or from
+    # the whole blocks its earlier run (or a's equal prompt) left in the prefix cache
     outputs, start, tokens = resumed_with
-    assert start == 0 and tokens == b.prompt_token_ids + outputs
+    assert tokens == (b.prompt_token_ids + outputs)[start:]
+    assert start == 0 if not cache else (start > 0 and start % 4 == 0)
     assert not s.has_unfinished_requests()
     assert s.blocks.num_free_blocks == 6
 

@@ -205,6 +205,8 @@ class SchedulerActor:
                 num_waiting=scheduler.num_waiting,
                 num_running=scheduler.num_running,
                 kv_usage=self.core.block_manager.usage,
+                prefix_cache_queries=self.core.block_manager.prefix_stats.num_queried_tokens,
+                prefix_cache_hits=self.core.block_manager.prefix_stats.num_hit_tokens,
                 num_preemptions=scheduler.num_preemptions,
                 num_steps=self._stats.num_steps + (step_s is not None),
                 last_step_s=self._stats.last_step_s if step_s is None else step_s,

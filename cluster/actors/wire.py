@@ -45,6 +45,9 @@ class EngineStats:
     num_waiting: int = 0
     num_running: int = 0
     kv_usage: float = 0.0  # fraction of KV blocks in use
+    # Cumulative prompt tokens looked up in the prefix cache at admission, and found there.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
     last_step_s: float = 0.0

@@ -47,7 +47,9 @@ class EngineCore:
             )
         executor.initialize_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
-        self.block_manager = KVBlockManager(num_blocks, config.cache.block_size)
+        self.block_manager = KVBlockManager(
+            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
         spec = config.speculative
         # Drafts that run their own passes (all but n-gram) write KV ahead of the step.
         lookahead = 0
@@ -73,11 +75,15 @@ class EngineCore:
         self.scheduler.finish_by_stop_string(request_id, stop)
 
     def get_metrics(self) -> dict[str, object]:
-        """Speculative-decoding statistics and scheduler counters."""
+        """Speculative-decoding statistics, scheduler counters, prefix cache hits (prompt
+        tokens looked up at admission and found cached)."""
         return {
             **self.scheduler.spec_stats.as_dict(),
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache_usage": self.block_manager.usage,
+            "prefix_cache_hit_rate": self.block_manager.prefix_stats.hit_rate,
+            "prefix_cache_queries": self.block_manager.prefix_stats.num_queried_tokens,
+            "prefix_cache_hits": self.block_manager.prefix_stats.num_hit_tokens,
             **(
                 {"adaptive_speculation": self.spec_controller.summary()}
                 if self.spec_controller is not None

@@ -4,8 +4,10 @@ Every request has `num_computed_tokens` and `num_tokens_with_spec` (prompt + out
 draft tokens). Each step hands out at most `max_num_batched_tokens` tokens so computed
 catches up with that: running requests first (decode tokens, drafts, the rest of a
 chunked prompt), then waiting requests in arrival order (FCFS) while sequences and
-KV blocks last. When blocks run out, the most recently admitted running request is
-preempted: its blocks are freed and it is recomputed later from scratch.
+KV blocks last; a request admitted starts after the whole blocks of its tokens that the
+prefix cache holds (`KVBlockManager.cached_prefix`). When blocks run out, the most
+recently admitted running request is preempted: its blocks are freed and it is
+recomputed later (from its cached prefix, if that survived).
 
 With pipeline stages several batches are in flight at once (`max_concurrent_batches`):
 a request in flight is not scheduled again, nor preempted, until its output is back,
@@ -149,15 +151,24 @@ class Scheduler:
             and len(scheduled) < max_seqs
         ):
             request = self.waiting[0]
+            # Whole blocks of its tokens cached by earlier requests are not computed again.
+            prefix = self.blocks.cached_prefix(request.token_ids(0, request.num_tokens))
+            request.num_computed_tokens = len(prefix) * self.blocks.block_size
             num_new = request.num_tokens - request.num_computed_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
+                request.num_computed_tokens = 0
                 break
             num_new = min(num_new, budget)
+            self.blocks.allocate_prefix(request.request_id, prefix)
             new_blocks = self.blocks.allocate(
                 request.request_id, self._slots_needed(request, num_new)
             )
             if new_blocks is None:
+                self.blocks.free(request.request_id)
+                request.num_computed_tokens = 0
                 break
+            self.blocks.prefix_stats.observe(request.num_tokens, request.num_computed_tokens)
+            new_blocks = prefix + new_blocks
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -241,6 +252,7 @@ class Scheduler:
                 self.spec_stats.observe(item.num_spec_tokens, num_accepted)
             request.spec_token_ids = []
             new_tokens = self._append_checking_stops(request, generated)
+            self.blocks.cache_blocks(request)
             logprobs = runner_output.logprobs.get(item.req_id)
             if logprobs is not None:
                 logprobs = logprobs[: len(new_tokens)]

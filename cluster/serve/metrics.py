@@ -50,6 +50,13 @@ class ServerMetrics:
         self._waiting = gauge("cluster_num_requests_waiting", "requests waiting for admission")
         self._running = gauge("cluster_num_requests_running", "requests being computed")
         self._kv_usage = gauge("cluster_kv_cache_usage", "fraction of KV blocks in use")
+        self._prefix_queries = counter(
+            "cluster_prefix_cache_queries_total", "prompt tokens looked up in the prefix cache"
+        )
+        self._prefix_hits = counter(
+            "cluster_prefix_cache_hits_total", "prompt tokens found in the prefix cache"
+        )
+        self._prefix_seen = (0, 0)
         self._drafts = counter("cluster_spec_decode_num_drafts_total", "steps with drafts")
         self._draft_tokens = counter("cluster_spec_decode_draft_tokens_total", "drafts verified")
         self._accepted = counter(
@@ -64,6 +71,12 @@ class ServerMetrics:
         self._waiting.set(batch.stats.num_waiting)
         self._running.set(batch.stats.num_running)
         self._kv_usage.set(batch.stats.kv_usage)
+        queries, hits = batch.stats.prefix_cache_queries, batch.stats.prefix_cache_hits
+        if queries > self._prefix_seen[0]:
+            self._prefix_queries.inc(queries - self._prefix_seen[0])
+            if hits > self._prefix_seen[1]:
+                self._prefix_hits.inc(hits - self._prefix_seen[1])
+            self._prefix_seen = (queries, hits)
         if batch.stats.spec:
             self._observe_spec(SpecDecodingStats(**batch.stats.spec))
 
