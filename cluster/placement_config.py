@@ -25,7 +25,7 @@ class PlacementConfig(BaseModel):
     threads_per_worker: int | None = Field(default=None, ge=1)
     # How each step reaches the workers (the scheduler actor sends it to every rank):
     # "compiled_graph", a Ray Compiled Graph (shared-memory channels on a node);
-    # "sockets", one socket per rank, served by a thread in the worker; "tasks", one Ray
+    # "sockets", one socket per rank, served inside one long call on the worker; "tasks", one Ray
     # task per rank. Ray's channel readers wait by spinning (a core each for the
     # scheduler actor and every idle worker), which pays where ranks own GPUs and their
     # cores and costs model time where ranks share a few CPU cores, so "auto" is

@@ -277,8 +277,9 @@ def test_a_stream_asks_its_interval_after_each_output():
 def test_an_abort_that_overtakes_its_add_drops_the_request(ray_session, tiny):
     """The scheduler actor runs calls concurrently, so a client that leaves at once can
     have its abort applied before its add: the add must then not start the request."""
+    from cluster.actors.output_socket import read_batches
     from cluster.actors.scheduler_actor import SchedulerActor
-    from cluster.actors.wire import OutputBatch, encode_request
+    from cluster.actors.wire import encode_request
     from cluster.engine.request import Request
 
     config = engine_config_from_args(tiny, device="cpu", **ENGINE)
@@ -290,13 +291,15 @@ def test_an_abort_that_overtakes_its_add_drops_the_request(ray_session, tiny):
         ray.get(actor.add_request.remote(encode_request(request)))
         ray.get(actor.add_request.remote(encode_request(Request("kept", [5, 6], GREEDY, 0))))
         seen: set[str] = set()
-        finished = False
-        deadline = time.monotonic() + 30
-        while not finished and time.monotonic() < deadline:
-            batch = OutputBatch.decode(ray.get(actor.get_outputs.remote(1.0)))
-            seen |= {o.req_id for o in batch.outputs}
-            finished = any(o.req_id == "kept" and o.finished for o in batch.outputs)
-        assert finished and seen == {"kept"}  # "early" never ran
+
+        async def until_kept_finishes():
+            async for batch in read_batches(*ray.get(actor.output_socket.remote())):
+                seen.update(o.req_id for o in batch.outputs)
+                if any(o.req_id == "kept" and o.finished for o in batch.outputs):
+                    return
+
+        asyncio.run(asyncio.wait_for(until_kept_finishes(), 30))
+        assert seen == {"kept"}  # "early" never ran
         assert ray.get(actor.health.remote())["num_live_requests"] == 0
     finally:
         ray.kill(actor)

@@ -3,13 +3,14 @@ that serves it, through the same `FrontEnd` as `AsyncLLM` and the offline `LLM`.
 
 Text stays here: prompts are tokenized and checked before anything is sent, and the
 front end detokenizes and applies stop strings to what comes back. One asyncio
-task (the pump) long-polls the scheduler actor for each step's outputs and hands them to
-the per-request queues, so the cost is one RPC per engine step, not per token per request.
+task (the pump) reads each step's outputs from the scheduler actor's output socket as
+they are pushed and hands them to the per-request queues: no Ray call per step, no
+polling interval.
 
 If the scheduler actor or a worker dies, the pump fails every in-flight request with
 `EngineDeadError` at once, and every later request is refused with it.
 
-Calls that must outlive the request that caused them (the pump's polls, aborts, stop-
+Calls that must outlive the request that caused them (the pump, aborts, stop-
 string finishes) are made outside that request's Ray task context (`detached`): Serve
 cancels a replica call whose client left, Ray then cancels the call's child tasks too,
 and an abort sent as such a child would be cancelled before it ran.
@@ -27,6 +28,7 @@ from typing import Any
 
 import ray
 
+from cluster.actors.output_socket import read_batches
 from cluster.actors.placement import ACTOR_NAMESPACE, bundle_strategy
 from cluster.actors.scheduler_actor import SchedulerActor
 from cluster.actors.wire import EngineStats, OutputBatch, encode_request
@@ -50,7 +52,6 @@ class EngineClient:
         *,
         engine_id: str | None = None,
         stall_timeout_s: float = 60.0,
-        poll_s: float = 1.0,
         observer: BatchObserver | None = None,
     ) -> None:
         """Start the scheduler actor (which starts the workers) and wait until it is ready;
@@ -59,7 +60,6 @@ class EngineClient:
 
         self.config = config
         self.engine_id = engine_id or uuid.uuid4().hex[:12]
-        self.poll_s = poll_s
         self.observer = observer
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
         self.frontend = FrontEnd(
@@ -80,6 +80,7 @@ class EngineClient:
         )
         try:
             self.layout: dict[str, Any] = ray.get(self.scheduler.describe.remote())
+            self._outputs_at = ray.get(self.scheduler.output_socket.remote())
         except BaseException:
             ray.kill(self.scheduler, no_restart=True)
             raise
@@ -151,8 +152,7 @@ class EngineClient:
 
     async def _pump_outputs(self) -> None:
         try:
-            while True:
-                batch = OutputBatch.decode(await self.scheduler.get_outputs.remote(self.poll_s))
+            async for batch in read_batches(*self._outputs_at):
                 self.stats = batch.stats
                 if batch.error is not None:
                     raise EngineDeadError(batch.error)

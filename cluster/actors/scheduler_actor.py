@@ -5,8 +5,9 @@ workers (they fate-share with it, and it with the Serve replica that created it)
 background thread runs the step loop: apply queued commands, `core.step()` (which sends
 the msgpack scheduler output to every worker and takes the reporting rank's result),
 publish the per-request outputs. Callers never touch the core directly: `add_request`,
-`abort` and `finish_by_stop_string` only queue commands, and `get_outputs` long-polls
-for what the loop published, so one RPC per step carries every request's tokens.
+`abort` and `finish_by_stop_string` only queue commands, and what the loop publishes is
+pushed to the replica over the output socket (`output_socket`, `OutputSender`) as soon
+as it exists: one message per step carries every request's tokens, with no Ray call.
 
 `health` answers from another thread even while a step runs: it fails when the loop has
 died, when one step has run longer than `stall_timeout_s`, or when a worker does not
@@ -24,6 +25,7 @@ from typing import Any
 
 import ray
 
+from cluster.actors.output_socket import OutputSender
 from cluster.actors.ray_executor import RayExecutor
 from cluster.actors.wire import EngineStats, OutputBatch, decode_request
 from cluster.config import EngineConfig
@@ -64,6 +66,7 @@ class SchedulerActor:
         self._outbox: list[EngineCoreOutput] = []
         self._stats = EngineStats()
         self._error: str | None = None
+        self._sender: OutputSender | None = None
         self._stopped = False
         self._step_started: float | None = None
         self._step_s_total = 0.0  # all steps, Ray's round trips to the workers included
@@ -101,12 +104,22 @@ class SchedulerActor:
             self._commands.append((kind, arg))
             self._cv.notify_all()
 
-    def get_outputs(self, timeout_s: float) -> bytes:
+    def output_socket(self) -> tuple[tuple[str, int], bytes]:
+        """Where the replica reads this engine's outputs, and the secret it must send
+        first (`output_socket.read_batches`)."""
+        with self._cv:
+            if self._sender is None:
+                host = ray.util.get_node_ip_address()
+                self._sender = OutputSender(host, self._take_outputs)
+            return self._sender.address, self._sender.secret
+
+    def _take_outputs(self, timeout_s: float) -> OutputBatch | None:
         """Outputs published since the last call (waits up to `timeout_s` for some)."""
         with self._cv:
-            self._cv.wait_for(lambda: self._outbox or self._error, timeout=timeout_s)
+            if not self._cv.wait_for(lambda: self._outbox or self._error, timeout=timeout_s):
+                return None
             outputs, self._outbox = self._outbox, []
-            return OutputBatch(outputs, self._stats, self._error).encode()
+            return OutputBatch(outputs, self._stats, self._error)
 
     # ---- health and introspection ---------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -144,6 +157,8 @@ class SchedulerActor:
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
+        if self._sender is not None:
+            self._sender.close()
         self._thread.join(timeout=5)
         self.executor.shutdown()
 
@@ -194,7 +209,8 @@ class SchedulerActor:
         return outputs
 
     def _publish(self, outputs: list[EngineCoreOutput], step_s: float | None) -> None:
-        """Hand outputs to `get_outputs`; `step_s` is the step's duration (None: no step)."""
+        """Hand outputs to the output socket; `step_s` is the step's duration (None: no
+        step)."""
         scheduler = self.core.scheduler
         with self._cv:
             for out in outputs:
