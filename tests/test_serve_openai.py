@@ -20,6 +20,7 @@ from cluster import LLM, SamplingParams
 from cluster.cli import main
 from cluster.serve import GenerateRequest, load_manifest
 from cluster.serve.launch import deploy
+from cluster.serve.openai_protocol import CompletionRequest
 
 DEFAULT = os.path.join(os.path.dirname(__file__), "..", "manifests", "default.yaml")
 API_KEY = "sk-test"
@@ -120,6 +121,46 @@ def test_chat_completions_equal_offline_engine(served):
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
 
+def test_n_choices_streamed_or_not(served):
+    """n choices are n requests: greedy ones agree, streamed or not, each chunk naming its
+    choice; seeded sampled ones differ; usage counts the prompt once."""
+    url, _, reference = served
+    expected = reference["completion"].outputs[0]
+    client = _client(url)
+    model = "SmolLM2-135M-Instruct"
+    greedy = dict(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    out = client.completions.create(**greedy, n=2)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.text for c in out.choices] == [expected.text] * 2
+    assert out.usage.completion_tokens == 2 * len(expected.token_ids)
+    assert out.usage.prompt_tokens == len(reference["completion"].prompt_token_ids)
+    chunks = list(
+        client.completions.create(
+            **greedy, n=3, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    streamed = ["", "", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [expected.text] * 3
+    assert chunks[-1].usage.completion_tokens == 3 * len(expected.token_ids)
+
+    messages = [{"role": "user", "content": QUESTION}]
+    sampled = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=1.0, seed=11, n=3
+    )
+    assert sorted(c.index for c in sampled.choices) == [0, 1, 2]
+    assert len({c.message.content for c in sampled.choices}) > 1  # seeds 11, 12, 13
+
+
+def test_choice_i_samples_with_seed_plus_i():
+    request = CompletionRequest(model="m", prompt="p", n=3, seed=5, temperature=1)
+    assert [p.seed for p in request.choice_params()] == [5, 6, 7]
+    request = CompletionRequest(model="m", prompt="p", n=2)
+    assert [p.seed for p in request.choice_params()] == [None, None]
+
+
 def test_handle_generates_and_streams_the_same(served):
     _, llm, reference = served
     expected = reference["completion"].outputs[0]
@@ -182,8 +223,10 @@ def test_bad_requests_get_openai_errors(served, smollm2_path):
             client.completions.create(**ok, temperature=-1, stream=stream)
         with pytest.raises(openai.BadRequestError, match="more than max_model_len"):
             client.completions.create(**{**ok, "prompt": "word " * 600}, stream=stream)
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.completions.create(**ok, n=2)
+    with pytest.raises(openai.BadRequestError, match="n"):
+        client.completions.create(**ok, n=129)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(**ok, best_of=3)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[])
     body = json.dumps({"prompt": "no model"}).encode()

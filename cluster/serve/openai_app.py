@@ -6,7 +6,8 @@ that is not JSON or not UTF-8, an unknown route), is OpenAI-style JSON with a re
 status: the first chunk of a stream is awaited before the response starts, so a bad
 request, back-pressure or a dead engine is a 400/429/503, not a 200 with a broken body.
 When the client goes away the stream is cancelled, which aborts the request in the
-engine and frees its KV blocks. A Bearer API key, when configured, guards every path
+engine and frees its KV blocks. `n` choices are `n` handle calls (awaited together,
+their streams merged chunk by chunk with each choice's index). A Bearer API key, when configured, guards every path
 but `/health` (the OpenAPI schema and docs pages included), and is checked before the
 body is read, so an unauthenticated caller learns nothing about the schema.
 """
@@ -54,6 +55,41 @@ def _cancel(response: DeploymentResponse | DeploymentResponseGenerator) -> None:
     """Cancel a handle call (a no-op once it is done; Serve may re-raise its error here)."""
     with contextlib.suppress(Exception):
         response.cancel()
+
+
+async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """(index, item) from every stream as items come; the first error is raised."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def drain(index: int, stream: Any) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((index, item))
+            queue.put_nowait((index, _END))
+        except Exception as e:
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is _END:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+_END = object()
 
 
 def _sse(data: dict[str, Any] | str) -> str:
@@ -181,53 +217,59 @@ def make_ingress_class() -> type:
                     if isinstance(body, ChatCompletionRequest)
                     else body.prompt_fields()
                 )
-                generate = GenerateRequest(
-                    **fields, sampling_params=body.sampling_params(), stream=body.stream
-                )
+                requests = [
+                    GenerateRequest(**fields, sampling_params=params, stream=body.stream)
+                    for params in body.choice_params()
+                ]
             except ValidationError as e:
                 return error_response(InvalidRequestError(_validation_message(e)))
             except Exception as e:
                 return error_response(e)
             formatter = ResponseFormatter(self.model_id, chat)
-            # Serve may refuse the call itself (back-pressure): `.remote()` is guarded too.
+            # One call per choice. Serve may refuse a call itself (back-pressure):
+            # `.remote()` is guarded too.
             call = self.llm.options(stream=body.stream).generate
+            responses: list[Any] = []
             try:
-                response = call.remote(generate)
-            except Exception as e:
-                return error_response(e)
-            try:
+                for request in requests:
+                    responses.append(call.remote(request))
                 # A stream's first chunk is awaited here, so that errors are statuses.
-                first = await (response.__anext__() if body.stream else response)
-            except asyncio.CancelledError:  # the client left: abort in the engine
-                _cancel(response)
+                firsts = await asyncio.gather(
+                    *(r.__anext__() if body.stream else r for r in responses)
+                )
+            except BaseException as e:
+                for response in responses:  # the client left, or a call failed
+                    _cancel(response)
+                if isinstance(e, Exception):
+                    return error_response(e)
                 raise
-            except Exception as e:  # the call failed: nothing is left to cancel
-                return error_response(e)
             if not body.stream:
-                return JSONResponse(formatter.full(first))
-            events = self._events(first, response, formatter, body.include_usage)
+                return JSONResponse(formatter.full(list(firsts)))
+            events = self._events(list(firsts), responses, formatter, body.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
 
         async def _events(
             self,
-            first: GenerateOutput,
-            stream: DeploymentResponseGenerator,
+            firsts: list[GenerateOutput],
+            streams: list[DeploymentResponseGenerator],
             formatter: ResponseFormatter,
             include_usage: bool,
         ) -> AsyncIterator[str]:
-            last = first
+            lasts = list(firsts)
             try:
-                yield _sse(formatter.chunk(first))
-                async for out in stream:
-                    last = out
-                    yield _sse(formatter.chunk(out))
+                for index, first in enumerate(firsts):
+                    yield _sse(formatter.chunk(first, index))
+                async for index, out in _merged(streams):
+                    lasts[index] = out
+                    yield _sse(formatter.chunk(out, index))
                 if include_usage:
-                    yield _sse(formatter.usage_chunk(last))
+                    yield _sse(formatter.usage_chunk(lasts))
                 yield _sse("[DONE]")
             except Exception as e:  # the status is already 200: report in the stream
                 status, error_type, message = classify(e)
                 yield _sse(error_body(status, message, error_type))
             finally:
-                _cancel(stream)  # the client left early: abort the request in the engine
+                for stream in streams:  # the client left early: abort in the engine
+                    _cancel(stream)
 
     return OpenAIIngress

@@ -23,8 +23,8 @@ from cluster.sampling_params import SamplingParams
 from cluster.serve.protocol import ChatMessage, GenerateOutput, TokenLogprob
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_CHOICES = 128  # OpenAI's limit on `n`
 _SAMPLING_FIELDS = (
-    "n",
     "temperature",
     "top_p",
     "top_k",
@@ -48,7 +48,9 @@ class _OpenAIRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    n: int = 1
+    # Choices per request: each is its own engine request (sharing the prompt's cached
+    # blocks); with a seed, choice i samples with seed + i, as vLLM does.
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -72,11 +74,19 @@ class _OpenAIRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def choice_params(self) -> list[SamplingParams]:
+        """The sampling parameters of each of the `n` choices."""
+        params = self.sampling_params()  # type: ignore[attr-defined]
+        if params.seed is None:
+            return [params] * self.n
+        return [params.model_copy(update={"seed": params.seed + i}) for i in range(self.n)]
+
 
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = 16
     echo: bool = False
+    best_of: int | None = None
     # The log-probabilities of this many most likely tokens at each position (and of the
     # chosen one), as OpenAI's legacy completions do.
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -84,6 +94,8 @@ class CompletionRequest(_OpenAIRequest):
     def sampling_params(self) -> SamplingParams:
         if self.echo:
             raise ValueError("echo is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported by this server (use n)")
         return self._sampling(self.max_tokens, self.logprobs)
 
     def prompt_fields(self) -> dict[str, Any]:
@@ -119,26 +131,30 @@ def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
 
-def _usage(out: GenerateOutput) -> dict[str, int]:
+def _usage(outs: list[GenerateOutput]) -> dict[str, int]:
+    """One prompt, every choice's tokens."""
+    prompt = outs[0].num_prompt_tokens
+    completion = sum(o.num_output_tokens for o in outs)
     return {
-        "prompt_tokens": out.num_prompt_tokens,
-        "completion_tokens": out.num_output_tokens,
-        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
 
 
 class ResponseFormatter:
-    """Builds one request's response body or stream chunks (completion or chat)."""
+    """Builds one request's response body or stream chunks (completion or chat), for
+    each of its choices (`index`)."""
 
     def __init__(self, model: str, chat: bool) -> None:
         self.model = model
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self._sent_role = False
-        self._text_offset = 0  # completions' `text_offset` of the next token
+        self._sent_role: set[int] = set()
+        self._text_offset: dict[int, int] = {}  # completions' `text_offset` of the next token
 
-    def _logprobs(self, tokens: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    def _logprobs(self, tokens: list[TokenLogprob] | None, index: int) -> dict[str, Any] | None:
         """OpenAI's logprobs object for these tokens: chat's `content` list, or the legacy
         completions' parallel lists."""
         if tokens is None:
@@ -154,9 +170,11 @@ class ResponseFormatter:
                 ]
             }
         offsets = []
+        offset = self._text_offset.get(index, 0)
         for t in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(t.token)
+            offsets.append(offset)
+            offset += len(t.token)
+        self._text_offset[index] = offset
         return {
             "tokens": [t.token for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
@@ -173,33 +191,35 @@ class ResponseFormatter:
             "choices": choices,
         }
 
-    def full(self, out: GenerateOutput) -> dict[str, Any]:
-        if self.chat:
-            choice = {"message": {"role": "assistant", "content": out.text}}
-            body = self._envelope("chat.completion", [choice])
-        else:
-            body = self._envelope("text_completion", [{"text": out.text}])
-        body["choices"][0].update(
-            index=0, finish_reason=out.finish_reason, logprobs=self._logprobs(out.logprobs)
-        )
-        body["usage"] = _usage(out)
-        return body
+    def _choice(self, out: GenerateOutput, index: int, body: dict[str, Any]) -> dict[str, Any]:
+        logprobs = self._logprobs(out.logprobs, index)
+        return {"index": index, **body, "finish_reason": out.finish_reason, "logprobs": logprobs}
 
-    def chunk(self, out: GenerateOutput) -> dict[str, Any]:
+    def full(self, outs: list[GenerateOutput]) -> dict[str, Any]:
+        """The whole response: one choice per output, in order."""
+        choices = []
+        for index, out in enumerate(outs):
+            if self.chat:
+                body = {"message": {"role": "assistant", "content": out.text}}
+            else:
+                body = {"text": out.text}
+            choices.append(self._choice(out, index, body))
+        envelope = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        return {**envelope, "usage": _usage(outs)}
+
+    def chunk(self, out: GenerateOutput, index: int = 0) -> dict[str, Any]:
+        """A stream chunk carrying choice `index`'s new piece."""
         if self.chat:
             delta: dict[str, Any] = {"content": out.text}
-            if not self._sent_role:
+            if index not in self._sent_role:
                 delta["role"] = "assistant"
-                self._sent_role = True
-            choice = {"delta": delta}
-            body = self._envelope("chat.completion.chunk", [choice])
-        else:
-            body = self._envelope("text_completion", [{"text": out.text}])
-        body["choices"][0].update(
-            index=0, finish_reason=out.finish_reason, logprobs=self._logprobs(out.logprobs)
-        )
-        return body
+                self._sent_role.add(index)
+            choice = self._choice(out, index, {"delta": delta})
+            return self._envelope("chat.completion.chunk", [choice])
+        return self._envelope("text_completion", [self._choice(out, index, {"text": out.text})])
 
-    def usage_chunk(self, out: GenerateOutput) -> dict[str, Any]:
+    def usage_chunk(self, lasts: list[GenerateOutput]) -> dict[str, Any]:
+        """The final chunk with usage (`stream_options.include_usage`), from each choice's
+        last output."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(obj, []), "usage": _usage(out)}
+        return {**self._envelope(obj, []), "usage": _usage(lasts)}
