@@ -150,8 +150,8 @@ class RayExecutor(Executor):
         return ray.get(refs)
 
     def _raise_if_failed(self) -> None:
-        """Raise if a rank's process exited or its last step raised (used while a compiled
-        graph's step runs long; a rank that does not answer within the tick is skipped)."""
+        """Raise if a rank's process exited or its last step raised (run between the slices
+        of a step channel's wait; a rank that does not answer within a tick is skipped)."""
         self._raise_if_exited(list(range(len(self.workers))))
         pings = [w.ping.remote() for w in self.workers]
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=_LIVENESS_CHECK_S)

@@ -26,8 +26,6 @@ from typing import Any
 import ray
 from ray.dag import InputNode, MultiOutputNode
 
-logger = logging.getLogger(__name__)
-
 Replies = list[bytes | None]  # one per rank
 
 

@@ -12,15 +12,13 @@ dies closes its socket, which reads as end-of-file at once, whatever killed it.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any
 
 import ray
-
-logger = logging.getLogger(__name__)
 
 Replies = list[bytes | None]  # one per rank
 
@@ -87,12 +85,11 @@ class StepSockets:
             raise RuntimeError(f"step {submitted} collected out of order ({self._num_read} next)")
         replies: dict[int, bytes | None] = {}
         pending = dict(enumerate(self.conns))
-        waited = 0.0
+        deadline = time.monotonic() + timeout_s
         while pending:
             ready = wait(list(pending.values()), timeout=tick_s)
             if not ready:
-                waited += tick_s
-                if waited >= timeout_s:
+                if time.monotonic() >= deadline:
                     raise TimeoutError(
                         f"worker ranks {sorted(pending)} did not answer in {timeout_s} s"
                     )
