@@ -60,6 +60,9 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16
+    # Outputs before which EOS and `stop_token_ids` cannot be sampled (and stop strings
+    # are not looked for), as vLLM's `min_tokens`.
+    min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -72,6 +75,16 @@ class SamplingParams(BaseModel):
     @classmethod
     def _check_n(cls, v: int) -> int:
         _require(v == 1, "n", "1 (one sequence per request)", v)
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _check_min_tokens(cls, v: int, info: ValidationInfo) -> int:
+        max_tokens = info.data.get("max_tokens")
+        allowed = "an integer >= 0" + (
+            "" if max_tokens is None else f" and <= max_tokens ({max_tokens})"
+        )
+        _require(v >= 0 and (max_tokens is None or v <= max_tokens), "min_tokens", allowed, v)
         return v
 
     @field_validator("temperature")

@@ -23,6 +23,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # non-empty when a preempted request resumes
     sampling_params: SamplingParams
+    eos_token_id: int | None = None  # kept out until `min_tokens` outputs exist
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class SchedulerOutput:
                     prompt_token_ids=d["prompt_token_ids"],
                     output_token_ids=d["output_token_ids"],
                     sampling_params=SamplingParams(**d["sampling_params"]),
+                    eos_token_id=d["eos_token_id"],
                 )
                 for d in data["new_requests"]
             ],

@@ -114,8 +114,11 @@ class OutputProcessor:
         return state
 
     def _find_stop(self, state: RequestState, delta_len: int) -> str | None:
-        """Cut the text at the first stop string that the new text completes."""
+        """Cut the text at the first stop string that the new text completes (none before
+        `min_tokens` outputs exist)."""
         if not state.params.stop or not delta_len:
+            return None
+        if len(state.token_ids) < state.params.min_tokens:
             return None
         longest = max(len(s) for s in state.params.stop)
         search_from = max(0, len(state.text) - delta_len - longest + 1)

@@ -178,6 +178,7 @@ class Scheduler:
                     list(request.prompt_token_ids),
                     list(request.output_token_ids),
                     request.sampling_params,
+                    request.eos_token_id,
                 )
             )
             self._known_to_workers.add(request.request_id)

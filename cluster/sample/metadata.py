@@ -41,6 +41,14 @@ class Penalties:
 
 
 @dataclass(frozen=True)
+class MinTokens:
+    """Stop tokens kept out of requests that have fewer than `min_tokens` outputs."""
+
+    stop_mask: torch.Tensor  # [batch, vocab] bool: EOS (unless ignored) and stop_token_ids
+    remaining: torch.Tensor  # [batch] int64: outputs still to come before a stop may
+
+
+@dataclass(frozen=True)
 class SamplingMetadata:
     """Every request's sampling parameters, vectorised over the batch."""
 
@@ -53,6 +61,7 @@ class SamplingMetadata:
     min_p: torch.Tensor | None  # [batch] float32, 0.0 = off; None when nobody uses it
     penalties: Penalties | None
     logit_bias: torch.Tensor | None  # [batch, vocab] float32 added first; None when unused
+    min_tokens: MinTokens | None  # None when no request still needs outputs before a stop
     num_logprobs: tuple[int | None, ...]  # per request: top-n logprobs wanted, None = none
     generators: Mapping[int, torch.Generator]  # request index -> its own generator
 
@@ -79,8 +88,10 @@ class SamplingMetadata:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         output_token_ids: Sequence[Sequence[int]] | None = None,
         generators: Mapping[int, torch.Generator] | None = None,
+        eos_token_ids: Sequence[int | None] | None = None,
     ) -> SamplingMetadata:
-        """Vectorise `params`; token ids are needed only for requests that use penalties.
+        """Vectorise `params`; token ids are needed only for requests that use penalties
+        or `min_tokens` (which also needs each request's `eos_token_ids`).
 
         `generators` must hold one generator per seeded random request (the model runner
         keeps them across steps, so a seeded request continues its own stream).
@@ -117,6 +128,7 @@ class SamplingMetadata:
             min_p=filter_column([p.min_p for p in params], 0.0, torch.float32),
             penalties=_penalties(params, vocab_size, device, prompt_token_ids, output_token_ids),
             logit_bias=_logit_bias(params, vocab_size, device),
+            min_tokens=_min_tokens(params, vocab_size, device, output_token_ids, eos_token_ids),
             num_logprobs=tuple(p.logprobs for p in params),
             generators=MappingProxyType(generators),
         )
@@ -136,6 +148,31 @@ def _logit_bias(
     index = torch.tensor([rows, tokens], dtype=torch.int64, device=device)
     table[index[0], index[1]] = torch.tensor(biases, dtype=torch.float32, device=device)
     return table
+
+
+def _min_tokens(
+    params: Sequence[SamplingParams],
+    vocab_size: int,
+    device: torch.device,
+    output_token_ids: Sequence[Sequence[int]] | None,
+    eos_token_ids: Sequence[int | None] | None,
+) -> MinTokens | None:
+    remaining = [
+        max(0, p.min_tokens - (len(output_token_ids[i]) if output_token_ids else 0))
+        for i, p in enumerate(params)
+    ]
+    stops = []
+    for i, p in enumerate(params):
+        eos = eos_token_ids[i] if eos_token_ids and not p.ignore_eos else None
+        ids = [*p.stop_token_ids, *([] if eos is None else [eos])]
+        stops.append([t for t in ids if t < vocab_size] if remaining[i] else [])
+    if not any(stops):
+        return None
+    rows = [i for i, ids in enumerate(stops) for _ in ids]
+    cols = [t for ids in stops for t in ids]
+    mask = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
+    mask[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = True
+    return MinTokens(mask, torch.tensor(remaining, dtype=torch.int64, device=device))
 
 
 def _uses_penalties(p: SamplingParams) -> bool:

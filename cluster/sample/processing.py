@@ -1,6 +1,7 @@
 """The logits pipeline shared by `Sampler` and `RejectionSampler`, one row per sampled position.
 
-Order: logit bias, penalties (repetition on prompt + output tokens, then frequency and presence on
+Order: logit bias, `min_tokens` (stop tokens out while a request has too few outputs: a
+row verifying draft j counts the j drafts before it), penalties (repetition on prompt + output tokens, then frequency and presence on
 output tokens), temperature, min-p, top-k, top-p. Greedy requests carry neutral values for
 everything after the penalties, so their argmax is the argmax of the penalised logits.
 Because both samplers call `process_logits`, a verified draft position is processed exactly
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.sample.metadata import LogitsRows, Penalties, SamplingMetadata
+from cluster.sample.metadata import LogitsRows, MinTokens, Penalties, SamplingMetadata
 
 
 def process_logits(
@@ -24,6 +25,8 @@ def process_logits(
     request = rows.request_index  # [rows]
     if metadata.logit_bias is not None:
         out += metadata.logit_bias.index_select(0, request)
+    if metadata.min_tokens is not None:
+        apply_min_tokens(out, metadata.min_tokens, rows)
     if metadata.penalties is not None:
         apply_penalties(out, metadata.penalties, rows)
     if not metadata.all_greedy:
@@ -48,6 +51,15 @@ def sampling_distribution(
     if bool(greedy_rows.all()):
         return point
     return torch.where(greedy_rows[:, None], point, processed.softmax(dim=-1))
+
+
+def apply_min_tokens(logits: torch.Tensor, min_tokens: MinTokens, rows: LogitsRows) -> None:
+    """Set the stop tokens of rows whose position comes before `min_tokens` to -inf."""
+    request = rows.request_index  # [rows]
+    before = torch.bincount(rows.history_rows, minlength=rows.num_rows)  # drafts before a row
+    early = before < min_tokens.remaining.index_select(0, request)  # [rows]
+    mask = min_tokens.stop_mask.index_select(0, request) & early[:, None]
+    logits.masked_fill_(mask, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties, rows: LogitsRows) -> None:

@@ -5,7 +5,8 @@
 target's log-softmax of the raw logits at each output position, as vLLM returns by
 default, and the same with speculation on or off. Other sampling fields map one to one
 onto `SamplingParams` (vLLM's extensions `top_k`,
-`min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids` are accepted too, and
+`min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `min_tokens` are accepted
+too, and
 OpenAI's `logit_bias`); every
 bad value becomes a 400 naming the field. Unknown fields are ignored, as OpenAI clients
 send some this server has no use for; fields it cannot honour are refused.
@@ -35,6 +36,7 @@ _SAMPLING_FIELDS = (
     "seed",
     "stop",
     "stop_token_ids",
+    "min_tokens",
     "ignore_eos",
     "logit_bias",
 )
@@ -61,6 +63,7 @@ class _OpenAIRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
     ignore_eos: bool | None = None
     logit_bias: dict[str, float] | None = None
     stream: bool = False

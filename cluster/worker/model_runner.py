@@ -53,6 +53,7 @@ class CachedRequestState:
     block_ids: list[int] = field(default_factory=list)
     # The distributions the pending drafts were drawn from ([k, vocab]); None: argmax drafts.
     draft_probs: torch.Tensor | None = None
+    eos_token_id: int | None = None
 
     def token_at(self, position: int) -> int:
         if position < len(self.prompt_token_ids):
@@ -143,6 +144,7 @@ class ModelRunner:
             params,
             generator,
             draft_generator,
+            eos_token_id=new.eos_token_id,
         )
 
     @torch.inference_mode()
@@ -212,6 +214,7 @@ class ModelRunner:
             prompt_token_ids=[st.prompt_token_ids for st in states],
             output_token_ids=[st.output_token_ids for st in states],
             generators={i: st.generator for i, st in enumerate(states) if st.generator is not None},
+            eos_token_ids=[st.eos_token_id for st in states],
         )
         if any(s.num_spec_tokens for s in inputs.sampled):
             drafts = [s.token_ids[len(s.token_ids) - s.num_spec_tokens :] for s in inputs.sampled]
