@@ -152,7 +152,10 @@ class Scheduler:
         ):
             request = self.waiting[0]
             # Whole blocks of its tokens cached by earlier requests are not computed again.
-            prefix = self.blocks.cached_prefix(request.token_ids(0, request.num_tokens))
+            prefix = []
+            if self.blocks.enable_prefix_caching:
+                tokens = request.prompt_token_ids + request.output_token_ids
+                prefix = self.blocks.cached_prefix(tokens)
             request.num_computed_tokens = len(prefix) * self.blocks.block_size
             num_new = request.num_tokens - request.num_computed_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
