@@ -35,5 +35,8 @@ class RequestOutput(BaseModel):
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    # With `SamplingParams.prompt_logprobs`: per prompt token, token id -> Logprob (the
+    # token itself and the top-n), None for the first token, which nothing predicts.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     outputs: list[CompletionOutput]
     finished: bool

@@ -67,6 +67,10 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logprobs of every prompt token but the first (under the raw logits of the position
+    # before it) and this many most likely tokens there; such a request skips the prefix
+    # cache, since every prompt position must be computed.
+    prompt_logprobs: int | None = None
     # (token id, bias) pairs added to the logits before anything else; the OpenAI form
     # {"token id": bias} is accepted too.
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -138,10 +142,10 @@ class SamplingParams(BaseModel):
         _require(v is None or v >= 1, "max_tokens", "None or an integer >= 1", v)
         return v
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "prompt_logprobs")
     @classmethod
-    def _check_logprobs(cls, v: int | None) -> int | None:
-        _require(v is None or v >= 0, "logprobs", "None or an integer >= 0", v)
+    def _check_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        _require(v is None or v >= 0, info.field_name, "None or an integer >= 0", v)
         return v
 
     @field_validator("stop", mode="before")

@@ -2,9 +2,12 @@
 
 import msgpack
 
+from cluster.actors.wire import EngineStats, OutputBatch
 from cluster.engine.messages import (
+    EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
@@ -19,7 +22,9 @@ def test_scheduler_output_round_trip():
             NewRequestData(
                 "r1", [1, 2, 3], [], SamplingParams(temperature=0.5, top_k=5, stop=["x"], seed=3)
             ),
-            NewRequestData("r2", [4], [9, 9], SamplingParams(stop_token_ids=[2], logprobs=2)),
+            NewRequestData(
+                "r2", [4], [9, 9], SamplingParams(stop_token_ids=[2], logprobs=2, prompt_logprobs=0)
+            ),
         ],
         scheduled=[
             ScheduledRequest("r1", [1, 2, 3], 0, 0, [0, 1], True),
@@ -43,5 +48,15 @@ def test_model_runner_output_round_trip():
             "a": [TokenLogprobs([5, 5, 8], [-0.1, -0.1, -2.5], 1), TokenLogprobs([6], [-0.7], 2)]
         },
         draft_token_ids=[[1, 2], []],
+        prompt_logprobs={"b": PromptLogprobs(16, [TokenLogprobs([7, 3], [-4.0, -0.2], 9)])},
     )
     assert ModelRunnerOutput.decode(out.encode()) == out
+
+
+def test_output_batch_round_trip():
+    lp = [TokenLogprobs([7, 3], [-4.0, -0.2], 9)]
+    batch = OutputBatch(
+        [EngineCoreOutput("a", [5], lp, prompt_logprobs=lp), EngineCoreOutput("b", [], None)],
+        EngineStats(num_running=1),
+    )
+    assert OutputBatch.decode(batch.encode()) == batch

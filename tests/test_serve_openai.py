@@ -59,6 +59,8 @@ def served(smollm2_path):
         reference["chat_logprobs"] = plain.chat(
             [{"role": "user", "content": QUESTION}], with_logprobs, use_tqdm=False
         )[0]
+        with_prompt = with_logprobs.model_copy(update={"prompt_logprobs": 2})
+        reference["echo"] = plain.generate(PROMPT, with_prompt, use_tqdm=False)[0]
     init_local_ray(num_cpus=2)
     _, url = deploy(manifest)
     reference["speculating"] = speculating
@@ -349,6 +351,54 @@ def test_logprobs_equal_the_engine_without_speculation(served):
     assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
     # Every output token has one entry, the EOS that ended the answer too.
     assert "".join(c.token for c in content).startswith(chat.choices[0].message.content)
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(served):
+    """`echo` (with and without a completion, streamed or not) through the OpenAI client,
+    and `prompt_logprobs` through the handle: the prompt's logprobs are the engine's."""
+    url, llm, reference = served
+    expected = reference["echo"]
+    prompt_ids = expected.prompt_token_ids
+    prompt_lp = [None] + [
+        e[t].logprob for t, e in zip(prompt_ids[1:], expected.prompt_logprobs[1:], strict=True)
+    ]
+    output_lp = [logprob for _, logprob, _ in _expected_logprobs(expected)]
+    completion = expected.outputs[0].text
+    client = _client(url)
+    ask = dict(model="SmolLM2-135M-Instruct", prompt=PROMPT, temperature=0, logprobs=2)
+
+    def check(logprobs, want):
+        assert logprobs[0] is None and len(logprobs) == len(want)
+        assert logprobs[1:] == pytest.approx(want[1:], abs=1e-4)
+
+    out = client.completions.create(**ask, max_tokens=MAX_TOKENS, echo=True).choices[0]
+    assert out.text == PROMPT + completion
+    check(out.logprobs.token_logprobs, prompt_lp + output_lp)
+    assert out.logprobs.top_logprobs[0] is None and len(out.logprobs.top_logprobs[1]) == 2
+    assert out.logprobs.text_offset == sorted(out.logprobs.text_offset)
+
+    scored = client.completions.create(**ask, max_tokens=0, echo=True).choices[0]
+    assert scored.text == PROMPT and scored.finish_reason == "length"
+    check(scored.logprobs.token_logprobs, prompt_lp)
+
+    text, streamed = "", []
+    for chunk in client.completions.create(**ask, max_tokens=MAX_TOKENS, echo=True, stream=True):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            streamed += chunk.choices[0].logprobs.token_logprobs
+    assert text == PROMPT + completion
+    check(streamed, prompt_lp + output_lp)
+
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(**ask, max_tokens=0)
+
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1)
+    request = GenerateRequest(prompt=PROMPT, sampling_params=params, echo=True)
+    handled = llm.generate.remote(request).result()
+    assert handled.prompt == PROMPT
+    assert [t.token_id for t in handled.prompt_logprobs] == prompt_ids
+    check([t.logprob for t in handled.prompt_logprobs], prompt_lp)
+    assert all(len(t.top) == 1 for t in handled.prompt_logprobs[1:])
 
 
 def test_dropped_streams_always_free_their_requests(served):

@@ -77,5 +77,7 @@ class OutputBatch:
         for o in data["outputs"]:
             if o["new_logprobs"] is not None:
                 o["new_logprobs"] = [TokenLogprobs(**t) for t in o["new_logprobs"]]
+            if o["prompt_logprobs"] is not None:
+                o["prompt_logprobs"] = [TokenLogprobs(**t) for t in o["prompt_logprobs"]]
             outputs.append(EngineCoreOutput(**o))
         return OutputBatch(outputs, EngineStats(**data["stats"]), data["error"])

@@ -155,8 +155,10 @@ def check_params(
         raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
     # Validated again: `model_copy(update=...)` skips pydantic's validators.
     params = SamplingParams(**params.model_dump())
-    if params.logprobs is not None and params.logprobs > vocab_size:
-        raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab_size}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > vocab_size:
+            raise ValueError(f"{name}={value} exceeds the vocabulary size {vocab_size}")
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids hold ids outside the vocabulary: {bad}")

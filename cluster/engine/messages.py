@@ -89,6 +89,16 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens `first + 1 ..`, from the rows at positions `first ..` of
+    one prompt chunk (`tokens[i]` is prompt token `first + 1 + i` under position
+    `first + i`'s logits)."""
+
+    first: int
+    tokens: list[TokenLogprobs]
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     step_id: int
     req_ids: list[str]
@@ -99,6 +109,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Per request, drafts for the next step (empty when speculation is off).
     draft_token_ids: list[list[int]] = field(default_factory=list)
+    # Per request that asked for prompt logprobs and computed prompt tokens this step.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         return msgpack.packb(asdict(self))
@@ -109,6 +121,10 @@ class ModelRunnerOutput:
         data["logprobs"] = {
             req_id: [TokenLogprobs(**t) for t in tokens]
             for req_id, tokens in data["logprobs"].items()
+        }
+        data["prompt_logprobs"] = {
+            req_id: PromptLogprobs(p["first"], [TokenLogprobs(**t) for t in p["tokens"]])
+            for req_id, p in data["prompt_logprobs"].items()
         }
         return ModelRunnerOutput(**data)
 
@@ -124,6 +140,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_draft_tokens: int = 0  # drafts verified this step
     num_accepted_tokens: int = 0  # of which accepted
+    # The prompt's logprobs (tokens 1.. of the prompt), with a request's first new tokens.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

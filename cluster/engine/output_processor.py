@@ -26,6 +26,7 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     text: str = ""  # text with stop strings applied
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -51,6 +52,7 @@ class RequestState:
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
             outputs=[completion],
             finished=self.finish_reason is not None,
         )
@@ -94,6 +96,8 @@ class OutputProcessor:
             state.num_accepted_tokens += out.num_accepted_tokens
             if state.logprobs is not None and out.new_logprobs:
                 self._add_logprobs(state, out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = [None] + [self._entry(t) for t in out.prompt_logprobs]
             delta = state.detokenizer.add_tokens(out.new_token_ids)
             state.text += delta
             stop = self._find_stop(state, len(delta))
@@ -133,15 +137,18 @@ class OutputProcessor:
     def _add_logprobs(self, state: RequestState, tokens: list[TokenLogprobs]) -> None:
         assert state.logprobs is not None and state.cumulative_logprob is not None
         for t in tokens:
-            entry = {}
-            for rank_index, (token_id, value) in enumerate(
-                zip(t.token_ids, t.logprobs, strict=True)
-            ):
-                if token_id < 0 or token_id in entry:
-                    continue
-                rank = t.rank if rank_index == 0 else rank_index
-                entry[token_id] = Logprob(
-                    logprob=value, rank=rank, decoded_token=self.tokenizer.decode([token_id])
-                )
-            state.logprobs.append(entry)
+            state.logprobs.append(self._entry(t))
             state.cumulative_logprob += t.logprobs[0]
+
+    def _entry(self, t: TokenLogprobs) -> dict[int, Logprob]:
+        """token id -> Logprob for one position: the token itself (its rank), then the
+        top-n (rank 1..n; the token itself appears once)."""
+        entry = {}
+        for rank_index, (token_id, value) in enumerate(zip(t.token_ids, t.logprobs, strict=True)):
+            if token_id < 0 or token_id in entry:
+                continue
+            rank = t.rank if rank_index == 0 else rank_index
+            entry[token_id] = Logprob(
+                logprob=value, rank=rank, decoded_token=self.tokenizer.decode([token_id])
+            )
+        return entry

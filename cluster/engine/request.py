@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from cluster.engine.messages import TokenLogprobs
 from cluster.sampling_params import SamplingParams
 
 
@@ -37,6 +38,13 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Prompt logprobs gathered chunk by chunk, for a request that asked; None once they
+    # went out with its first tokens (and for every other request).
+    prompt_logprobs: list[TokenLogprobs] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -24,8 +24,10 @@ from cluster.engine.messages import (
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     ScheduledRequest,
     SchedulerOutput,
+    TokenLogprobs,
 )
 from cluster.engine.metrics import SpecDecodingStats
 from cluster.engine.request import FinishReason, Request, RequestStatus
@@ -151,9 +153,10 @@ class Scheduler:
             and len(scheduled) < max_seqs
         ):
             request = self.waiting[0]
-            # Whole blocks of its tokens cached by earlier requests are not computed again.
+            # Whole blocks of its tokens cached by earlier requests are not computed again
+            # (unless each prompt position's logprobs are still wanted).
             prefix = []
-            if self.blocks.enable_prefix_caching:
+            if self.blocks.enable_prefix_caching and request.prompt_logprobs is None:
                 tokens = request.prompt_token_ids + request.output_token_ids
                 prefix = self.blocks.cached_prefix(tokens)
             request.num_computed_tokens = len(prefix) * self.blocks.block_size
@@ -260,6 +263,9 @@ class Scheduler:
             logprobs = runner_output.logprobs.get(item.req_id)
             if logprobs is not None:
                 logprobs = logprobs[: len(new_tokens)]
+            prompt_logprobs = self._gather_prompt_logprobs(
+                request, runner_output.prompt_logprobs.get(item.req_id), bool(new_tokens)
+            )
             if not request.is_finished and drafts.get(item.req_id):
                 request.spec_token_ids = self._limit_drafts(request, drafts[item.req_id])
             if new_tokens or request.is_finished:
@@ -272,11 +278,28 @@ class Scheduler:
                         request.stop_reason,
                         item.num_spec_tokens,
                         num_accepted,
+                        prompt_logprobs,
                     )
                 )
             if request.is_finished:
                 self._release(request)
         return outputs
+
+    @staticmethod
+    def _gather_prompt_logprobs(
+        request: Request, chunk: PromptLogprobs | None, first_output: bool
+    ) -> list[TokenLogprobs] | None:
+        """Add a chunk's prompt logprobs (a recomputed chunk after a preemption adds only
+        what is missing); all of them once the request has output to go out with."""
+        gathered = request.prompt_logprobs
+        if gathered is None:
+            return None
+        if chunk is not None and chunk.first <= len(gathered):
+            gathered += chunk.tokens[len(gathered) - chunk.first :]
+        if not first_output:
+            return None
+        request.prompt_logprobs = None
+        return gathered
 
     def _append_checking_stops(self, request: Request, generated: list[int]) -> list[int]:
         """Append tokens one by one, stopping at the first that ends the request."""

@@ -1,6 +1,6 @@
 """Sampling: the vectorised `Sampler` and the lossless `RejectionSampler` in front of the kernels."""
 
-from cluster.sample.logprobs import Logprobs
+from cluster.sample.logprobs import Logprobs, compute_logprobs
 from cluster.sample.metadata import LogitsRows, Penalties, SamplingMetadata, SpecDecodeMetadata
 from cluster.sample.rejection import (
     RejectionSampler,
@@ -19,5 +19,6 @@ __all__ = [
     "SamplerOutput",
     "SamplingMetadata",
     "SpecDecodeMetadata",
+    "compute_logprobs",
     "rejection_sample",
 ]

@@ -225,7 +225,8 @@ def make_ingress_class() -> type:
                 return error_response(InvalidRequestError(_validation_message(e)))
             except Exception as e:
                 return error_response(e)
-            formatter = ResponseFormatter(self.model_id, chat)
+            echo_only = isinstance(body, CompletionRequest) and body.echo_only
+            formatter = ResponseFormatter(self.model_id, chat, echo_only)
             # One call per choice. Serve may refuse a call itself (back-pressure):
             # `.remote()` is guarded too.
             call = self.llm.options(stream=body.stream).generate

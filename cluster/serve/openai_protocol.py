@@ -3,7 +3,8 @@
 
 `logprobs` (completions: how many top tokens; chat: `logprobs` + `top_logprobs`) are the
 target's log-softmax of the raw logits at each output position, as vLLM returns by
-default, and the same with speculation on or off. Other sampling fields map one to one
+default, and the same with speculation on or off; completions' `echo` puts the prompt
+(and its tokens' logprobs) before the completion. Other sampling fields map one to one
 onto `SamplingParams` (vLLM's extensions `top_k`,
 `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `min_tokens` are accepted
 too, and
@@ -69,9 +70,9 @@ class _OpenAIRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, **fields: Any) -> SamplingParams:
         values = {f: getattr(self, f) for f in _SAMPLING_FIELDS if getattr(self, f) is not None}
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
+        return SamplingParams(max_tokens=max_tokens, **fields, **values)
 
     @property
     def include_usage(self) -> bool:
@@ -88,18 +89,25 @@ class _OpenAIRequest(BaseModel):
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = 16
+    # The prompt comes back before the completion (its tokens' logprobs too, with
+    # `logprobs`); with `max_tokens: 0` only the prompt does (scoring a text).
     echo: bool = False
     best_of: int | None = None
     # The log-probabilities of this many most likely tokens at each position (and of the
     # chosen one), as OpenAI's legacy completions do.
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the engine samples one token nobody sees."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported by this server (use n)")
-        return self._sampling(self.max_tokens, self.logprobs)
+        prompt_logprobs = self.logprobs if self.echo else None
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self._sampling(max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
 
     def prompt_fields(self) -> dict[str, Any]:
         prompt = self.prompt
@@ -108,8 +116,8 @@ class CompletionRequest(_OpenAIRequest):
                 raise ValueError("prompt: send one prompt per request")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return {"prompt": prompt}
-        return {"prompt_token_ids": prompt}
+            return {"prompt": prompt, "echo": self.echo}
+        return {"prompt_token_ids": prompt, "echo": self.echo}
 
 
 class ChatCompletionRequest(_OpenAIRequest):
@@ -127,7 +135,7 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     def sampling_params(self) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(self.max_completion_tokens or self.max_tokens, logprobs)
+        return self._sampling(self.max_completion_tokens or self.max_tokens, logprobs=logprobs)
 
 
 def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
@@ -149,9 +157,11 @@ class ResponseFormatter:
     """Builds one request's response body or stream chunks (completion or chat), for
     each of its choices (`index`)."""
 
-    def __init__(self, model: str, chat: bool) -> None:
+    def __init__(self, model: str, chat: bool, echo_only: bool = False) -> None:
         self.model = model
         self.chat = chat
+        # Completions with `echo` and `max_tokens: 0`: the prompt alone, no completion.
+        self.echo_only = echo_only
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._sent_role: set[int] = set()
@@ -181,7 +191,9 @@ class ResponseFormatter:
         return {
             "tokens": [t.token for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{x.token: x.logprob for x in t.top} for t in tokens],
+            "top_logprobs": [
+                None if t.logprob is None else {x.token: x.logprob for x in t.top} for t in tokens
+            ],
             "text_offset": offsets,
         }
 
@@ -195,8 +207,17 @@ class ResponseFormatter:
         }
 
     def _choice(self, out: GenerateOutput, index: int, body: dict[str, Any]) -> dict[str, Any]:
-        logprobs = self._logprobs(out.logprobs, index)
+        tokens = out.logprobs
+        if not self.chat:  # `echo`: the prompt's tokens first (when the output has them)
+            tokens = None if tokens is None else [] if self.echo_only else tokens
+            if out.prompt_logprobs is not None:
+                tokens = out.prompt_logprobs + (tokens or [])
+        logprobs = self._logprobs(tokens, index)
         return {"index": index, **body, "finish_reason": out.finish_reason, "logprobs": logprobs}
+
+    def _text(self, out: GenerateOutput) -> str:
+        """A completion's text: the echoed prompt (in the first output), then the answer."""
+        return (out.prompt or "") + ("" if self.echo_only else out.text)
 
     def full(self, outs: list[GenerateOutput]) -> dict[str, Any]:
         """The whole response: one choice per output, in order."""
@@ -205,7 +226,7 @@ class ResponseFormatter:
             if self.chat:
                 body = {"message": {"role": "assistant", "content": out.text}}
             else:
-                body = {"text": out.text}
+                body = {"text": self._text(out)}
             choices.append(self._choice(out, index, body))
         envelope = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         return {**envelope, "usage": _usage(outs)}
@@ -219,7 +240,9 @@ class ResponseFormatter:
                 self._sent_role.add(index)
             choice = self._choice(out, index, {"delta": delta})
             return self._envelope("chat.completion.chunk", [choice])
-        return self._envelope("text_completion", [self._choice(out, index, {"text": out.text})])
+        return self._envelope(
+            "text_completion", [self._choice(out, index, {"text": self._text(out)})]
+        )
 
     def usage_chunk(self, lasts: list[GenerateOutput]) -> dict[str, Any]:
         """The final chunk with usage (`stream_options.include_usage`), from each choice's

@@ -46,6 +46,8 @@ class GenerateRequest(BaseModel):
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     stream: bool = False
     request_id: str | None = None
+    # The first output carries the prompt's text in `prompt` (OpenAI's `echo`).
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
@@ -69,12 +71,13 @@ class TopLogprob(BaseModel):
 
 
 class TokenLogprob(BaseModel):
-    """An output token's log-probability (the target's log-softmax of the raw logits at
-    its position, as vLLM's default) and the `n` most likely tokens there."""
+    """A token's log-probability (the target's log-softmax of the raw logits at its
+    position, as vLLM's default) and the `n` most likely tokens there. The prompt's first
+    token has none (`logprob` None): nothing comes before it."""
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None
     top: list[TopLogprob] = Field(default_factory=list)
 
 
@@ -89,6 +92,10 @@ class GenerateOutput(BaseModel):
     num_draft_tokens: int = 0  # speculative drafts verified so far
     num_accepted_tokens: int = 0  # of which accepted
     logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, if asked for
+    # In the first output only: the prompt's text (with `echo`), and with
+    # `sampling_params.prompt_logprobs` one entry per prompt token.
+    prompt: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
     engine_id: str = ""  # the replica's engine that served it
 
     @property

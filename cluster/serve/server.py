@@ -23,7 +23,8 @@ from ray.util.placement_group import get_current_placement_group
 from cluster.actors.client import EngineClient
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.frontend import Prompt
-from cluster.outputs import CompletionOutput
+from cluster.outputs import CompletionOutput, Logprob, RequestOutput
+from cluster.sampling_params import SamplingParams
 from cluster.serve.args import ClusterArgs
 from cluster.serve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 from cluster.serve.metrics import ServerMetrics
@@ -56,14 +57,20 @@ class LLMServer:
             raise InvalidRequestError(str(e)) from None
         if request.stream:
             return self._run(request)
-        text, token_ids, logprobs, last = [], [], [], None
+        text, token_ids, logprobs, first, last = [], [], [], None, None
         async for chunk in self._run(request):
             text.append(chunk.text)
             token_ids += chunk.token_ids
             logprobs += chunk.logprobs or []
+            first = first or chunk
             last = chunk
-        assert last is not None
-        whole = {"text": "".join(text), "token_ids": token_ids}
+        assert first is not None and last is not None
+        whole = {
+            "text": "".join(text),
+            "token_ids": token_ids,
+            "prompt": first.prompt,
+            "prompt_logprobs": first.prompt_logprobs,
+        }
         if last.logprobs is not None:
             whole["logprobs"] = logprobs
         return last.model_copy(update=whole)
@@ -99,6 +106,13 @@ class LLMServer:
                         completion, sent_tokens, request.sampling_params.logprobs or 0
                     ),
                     engine_id=self.engine.engine_id,
+                    # the prompt's parts go out once, with the first chunk
+                    prompt=self._echo(request, out) if last is None else None,
+                    prompt_logprobs=(
+                        self._prompt_logprobs(out, request.sampling_params)
+                        if last is None
+                        else None
+                    ),
                 )
                 sent_text, sent_tokens = len(completion.text), len(completion.token_ids)
                 last = chunk
@@ -112,6 +126,31 @@ class LLMServer:
             raise InvalidRequestError(str(e)) from None
         finally:
             self._record(outcome, last, start, first_token_at)
+
+    def _echo(self, request: GenerateRequest, out: RequestOutput) -> str | None:
+        if not request.echo:
+            return None
+        if out.prompt is not None:
+            return out.prompt
+        return self.engine.tokenizer.decode(out.prompt_token_ids)
+
+    def _prompt_logprobs(
+        self, out: RequestOutput, params: SamplingParams
+    ) -> list[TokenLogprob] | None:
+        """The prompt tokens' logprobs, when asked for (the first token has none)."""
+        if out.prompt_logprobs is None or params.prompt_logprobs is None:
+            return None
+        first = out.prompt_token_ids[0]
+        head = TokenLogprob(
+            token_id=first, token=self.engine.tokenizer.decode([first]), logprob=None
+        )
+        return [head] + [
+            _token_logprob(token_id, entry, params.prompt_logprobs)
+            for token_id, entry in zip(
+                out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True
+            )
+            if entry is not None  # (always: only the first entry is None)
+        ]
 
     def _stream_interval(self) -> float:
         """How long a stream merges newer tokens after a chunk (`stream_chunks_per_s`)."""
@@ -179,30 +218,29 @@ class LLMServer:
 def _token_logprobs(
     completion: CompletionOutput, start: int, num_top: int
 ) -> list[TokenLogprob] | None:
-    """The logprobs of the output tokens from `start` on (None when not asked for): each
-    token's own, and the `num_top` most likely tokens at its position."""
+    """The logprobs of the output tokens from `start` on (None when not asked for)."""
     if completion.logprobs is None:
         return None
-    out = []
-    for token_id, entry in zip(
-        completion.token_ids[start:], completion.logprobs[start:], strict=True
-    ):
-        chosen = entry[token_id]
-        ranked = sorted(
-            (lp.rank, tid, lp)
-            for tid, lp in entry.items()
-            if lp.rank is not None and 1 <= lp.rank <= num_top
+    return [
+        _token_logprob(token_id, entry, num_top)
+        for token_id, entry in zip(
+            completion.token_ids[start:], completion.logprobs[start:], strict=True
         )
-        top = [
-            TopLogprob(token_id=tid, token=lp.decoded_token or "", logprob=lp.logprob)
-            for _, tid, lp in ranked
-        ]
-        out.append(
-            TokenLogprob(
-                token_id=token_id,
-                token=chosen.decoded_token or "",
-                logprob=chosen.logprob,
-                top=top,
-            )
-        )
-    return out
+    ]
+
+
+def _token_logprob(token_id: int, entry: dict[int, Logprob], num_top: int) -> TokenLogprob:
+    """A token's own logprob, and the `num_top` most likely tokens at its position."""
+    chosen = entry[token_id]
+    ranked = sorted(
+        (lp.rank, tid, lp)
+        for tid, lp in entry.items()
+        if lp.rank is not None and 1 <= lp.rank <= num_top
+    )
+    top = [
+        TopLogprob(token_id=tid, token=lp.decoded_token or "", logprob=lp.logprob)
+        for _, tid, lp in ranked
+    ]
+    return TokenLogprob(
+        token_id=token_id, token=chosen.decoded_token or "", logprob=chosen.logprob, top=top
+    )

@@ -21,6 +21,8 @@ from torch import nn
 from cluster.engine.messages import (
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
+    ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
 )
@@ -34,12 +36,16 @@ from cluster.sample import (
     Sampler,
     SamplingMetadata,
     SpecDecodeMetadata,
+    compute_logprobs,
 )
 from cluster.sample.randomness import draft_seed
 from cluster.sampling_params import SamplingParams
 from cluster.spec_decode.batch import ProposalBatch, Proposer
 from cluster.worker.input_batch import ModelInputs, prepare_inputs
 from cluster.worker.kv_cache import PagedKVCache
+
+# Prompt rows whose logits exist at once for prompt logprobs ([rows, vocab] float32).
+PROMPT_LOGITS_ROWS = 256
 
 
 @dataclass
@@ -187,6 +193,7 @@ class ModelRunner:
             features = torch.cat(aux, dim=-1)  # [num_tokens, 3 * hidden] for EAGLE-3
         else:
             hidden = features = out  # [num_tokens, hidden]
+        prompt_logprobs = self._prompt_logprobs(hidden, so.scheduled)
         sampled_ids, logprobs = self._sample(hidden, inputs)
         per_request = dict(zip((s.req_id for s in inputs.sampled), sampled_ids, strict=True))
         for req_id, tokens in per_request.items():
@@ -198,7 +205,40 @@ class ModelRunner:
             sampled_token_ids=[per_request.get(s.req_id, []) for s in so.scheduled],
             logprobs=logprobs,
             draft_token_ids=drafts,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, scheduled: list[ScheduledRequest]
+    ) -> dict[str, PromptLogprobs]:
+        """For requests that asked: the logprobs of the prompt tokens that this step's rows
+        predict (row p predicts prompt token p + 1), from the raw logits."""
+        result: dict[str, PromptLogprobs] = {}
+        row = 0  # the request's first row in `hidden` ([num_tokens, hidden])
+        for item in scheduled:
+            state = self.requests[item.req_id]
+            num_top = state.sampling_params.prompt_logprobs
+            first = item.num_computed_tokens
+            end = min(first + len(item.token_ids), len(state.prompt_token_ids) - 1)
+            if num_top is not None and end > first:
+                tokens: list[TokenLogprobs] = []
+                for lo in range(first, end, PROMPT_LOGITS_ROWS):
+                    hi = min(lo + PROMPT_LOGITS_ROWS, end)
+                    rows = hidden[row + lo - first : row + hi - first]
+                    logits = self.model.compute_logits(rows)  # [hi - lo, vocab]
+                    targets = state.prompt_token_ids[lo + 1 : hi + 1]
+                    ids = torch.tensor(targets, device=self.device)
+                    wanted = torch.full_like(ids, num_top)
+                    lp = compute_logprobs(logits, ids, wanted, num_top)
+                    tokens += map(
+                        TokenLogprobs,
+                        lp.token_ids.tolist(),
+                        lp.logprobs.tolist(),
+                        lp.ranks.tolist(),
+                    )
+                result[item.req_id] = PromptLogprobs(first, tokens)
+            row += len(item.token_ids)
+        return result
 
     def _sample(
         self, hidden: torch.Tensor, inputs: ModelInputs
