@@ -33,6 +33,14 @@ def build_engine(config: EngineConfig, executor: Executor | None = None) -> LLME
     return LLMEngine(core, tokenizer, int(config.model.hf_config.vocab_size))
 
 
+def _merged(request_id: str, sequences: list[RequestOutput]) -> RequestOutput:
+    """One request's output from its sequences' (`n` > 1), completion i with index i."""
+    if len(sequences) == 1:
+        return sequences[0]
+    outputs = [s.outputs[0].model_copy(update={"index": i}) for i, s in enumerate(sequences)]
+    return sequences[0].model_copy(update={"request_id": request_id, "outputs": outputs})
+
+
 class LLM:
     """An engine in this process. `model=None` serves the embedded default model."""
 
@@ -102,20 +110,32 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling_params")
         engine = self.engine
+        # One engine request per sequence: request i's choices are "i", or "i.0", "i.1", ...
         ids = [engine.next_request_id() for _ in prompts]
+        choices = [
+            [(f"{rid}.{j}", c) for j, c in enumerate(p.choices())]
+            if isinstance(p, SamplingParams) and p.n > 1
+            else [(rid, p)]  # (anything but SamplingParams is refused by add_request)
+            for rid, p in zip(ids, params, strict=True)
+        ]
         added: list[str] = []
         try:
-            for i, (request_id, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
-                try:
-                    engine.add_request(request_id, prompt, p)
-                except ValueError as e:
-                    raise ValueError(f"prompt {i}: {e}") from e
-                added.append(request_id)
+            for i, (prompt, sequences) in enumerate(zip(prompts, choices, strict=True)):
+                for request_id, p in sequences:
+                    try:
+                        engine.add_request(request_id, prompt, p)
+                    except ValueError as e:
+                        raise ValueError(f"prompt {i}: {e}") from e
+                    added.append(request_id)
         except ValueError:
             for request_id in added:
                 engine.abort_request(request_id)
             raise
-        return self._run(ids, use_tqdm)
+        finished = self._run(added, use_tqdm)
+        return [
+            _merged(rid, [finished[seq] for seq, _ in sequences])
+            for rid, sequences in zip(ids, choices, strict=True)
+        ]
 
     def chat(
         self,
@@ -130,7 +150,7 @@ class LLM:
         prompts = [frontend.chat_prompt(conv, add_generation_prompt) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
         with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm) as bar:
@@ -139,7 +159,7 @@ class LLM:
                     if state.finish_reason is not None and state.request_id in wanted:
                         finished[state.request_id] = state.output()
                         bar.update(1)
-        return [finished[r] for r in request_ids]
+        return finished
 
     def get_metrics(self) -> dict[str, object]:
         """Aggregated speculative-decoding statistics (num_drafts, num_draft_tokens,

@@ -21,6 +21,7 @@ _TOP_K_MAX = 2**31 - 1  # larger values mean "no limit" anyway; they could not c
 _LOGIT_BIAS_MAX = 100.0  # OpenAI's range: [-100, 100]
 _SEED_MIN = -(2**63)  # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1]
 _SEED_MAX = 2**64 - 1
+MAX_CHOICES = 128  # OpenAI's limit on `n`
 
 
 def _require(ok: bool, field: str, allowed: str, value: Any) -> None:
@@ -46,7 +47,8 @@ def _token_id(key: Any) -> int:
 
 
 class SamplingParams(BaseModel):
-    """Sampling parameters of one request (vLLM names; `n` must be 1)."""
+    """Sampling parameters of one request (vLLM names). With `n` > 1 the request is `n`
+    sequences (`choices()`), each its own engine request."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -78,7 +80,7 @@ class SamplingParams(BaseModel):
     @field_validator("n")
     @classmethod
     def _check_n(cls, v: int) -> int:
-        _require(v == 1, "n", "1 (one sequence per request)", v)
+        _require(1 <= v <= MAX_CHOICES, "n", f"an integer in [1, {MAX_CHOICES}]", v)
         return v
 
     @field_validator("min_tokens")
@@ -178,6 +180,18 @@ class SamplingParams(BaseModel):
         ok = all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
         _require(ok, "stop_token_ids", "a list of integers >= 0", v)
         return ids
+
+    def choices(self) -> list[SamplingParams]:
+        """The parameters of each of the `n` sequences (`n` = 1 each): with a seed,
+        sequence i samples with seed + i, as vLLM does."""
+        if self.seed is None:
+            return [self.model_copy(update={"n": 1})] * self.n
+        # (seed + i past the largest seed wraps around to the smallest)
+        span = _SEED_MAX - _SEED_MIN + 1
+        return [
+            self.model_copy(update={"n": 1, "seed": (self.seed + i - _SEED_MIN) % span + _SEED_MIN})
+            for i in range(self.n)
+        ]
 
     @property
     def is_greedy(self) -> bool:

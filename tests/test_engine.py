@@ -88,6 +88,31 @@ def test_logprobs_match_the_model(llm, tiny):
     assert math.isclose(out.cumulative_logprob, total, abs_tol=1e-5)
 
 
+def test_n_sequences_per_prompt(llm):
+    """`n` = 3: three completions (index 0..2), sequence i seeded with seed + i; the other
+    prompt of the call keeps its place."""
+    seeded = SamplingParams(temperature=1.0, seed=77, max_tokens=8, ignore_eos=True, n=3)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(["once upon", "abc"], [seeded, greedy], use_tqdm=False)
+    assert len(outs) == 2 and len(outs[1].outputs) == 1
+    assert outs[0].prompt == "once upon" and outs[0].finished
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+    for i, completion in enumerate(outs[0].outputs):
+        alone = seeded.model_copy(update={"n": 1, "seed": 77 + i})
+        assert (
+            completion.token_ids
+            == llm.generate("once upon", alone, use_tqdm=False)[0].outputs[0].token_ids
+        )
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
+    assert (
+        outs[1].outputs[0].token_ids
+        == llm.generate("abc", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    )
+    # an engine request is one sequence: n > 1 goes through LLM.generate or the routes
+    with pytest.raises(ValueError, match="n=2"):
+        llm.engine.add_request("x", "abc", greedy.model_copy(update={"n": 2}))
+
+
 def test_seeded_sampling_is_independent_of_the_batch(llm):
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
     alone = llm.generate("once upon", seeded, use_tqdm=False)[0].outputs[0].token_ids

@@ -56,7 +56,8 @@ def test_unknown_fields_are_rejected():
 @pytest.mark.parametrize(
     ("field", "value", "allowed"),
     [
-        ("n", 2, "1 (one sequence per request)"),
+        ("n", 0, "an integer in [1, 128]"),
+        ("n", 129, "an integer in [1, 128]"),
         ("temperature", -0.1, "a finite number >= 0"),
         ("temperature", float("nan"), "a finite number >= 0"),
         ("temperature", float("inf"), "a finite number >= 0"),
@@ -96,3 +97,12 @@ def test_wrong_type_names_the_field():
     with pytest.raises(ValidationError) as info:
         SamplingParams(top_k=2.5)
     assert info.value.errors()[0]["loc"] == ("top_k",)
+
+
+def test_choices_are_single_sequences_seeded_one_apart():
+    params = SamplingParams(n=3, seed=2**64 - 2, temperature=0.7)
+    choices = params.choices()
+    assert [c.n for c in choices] == [1, 1, 1]
+    assert [c.seed for c in choices] == [2**64 - 2, 2**64 - 1, -(2**63)]  # wraps around
+    assert all(c.temperature == 0.7 for c in choices)
+    assert [c.seed for c in SamplingParams(n=2).choices()] == [None, None]

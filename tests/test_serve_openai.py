@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from cluster import LLM, SamplingParams
 from cluster.cli import main
 from cluster.serve import GenerateRequest, load_manifest
+from cluster.serve.errors import InvalidRequestError
 from cluster.serve.launch import deploy
 from cluster.serve.openai_protocol import CompletionRequest
 
@@ -178,6 +179,10 @@ def test_handle_generates_and_streams_the_same(served):
     assert not any(c.finished for c in streamed[:-1])
     assert "".join(c.text for c in streamed) == expected.text
     assert [t for c in streamed for t in c.token_ids] == expected.token_ids
+    # A handle request is one sequence (the routes and LLM.generate fan n out).
+    two = params.model_copy(update={"n": 2})
+    with pytest.raises(InvalidRequestError, match="n=2: an engine request is one sequence"):
+        llm.generate.remote(GenerateRequest(prompt=PROMPT, sampling_params=two)).result()
 
 
 def _get(url, headers=None, body=None):

@@ -155,6 +155,11 @@ def check_params(
         raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
     # Validated again: `model_copy(update=...)` skips pydantic's validators.
     params = SamplingParams(**params.model_dump())
+    if params.n != 1:
+        raise ValueError(
+            f"n={params.n}: an engine request is one sequence; LLM.generate and the OpenAI "
+            "routes serve n > 1 as n requests (SamplingParams.choices())"
+        )
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > vocab_size:

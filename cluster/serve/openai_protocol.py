@@ -21,11 +21,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling_params import MAX_CHOICES, SamplingParams
 from cluster.serve.protocol import ChatMessage, GenerateOutput, TokenLogprob
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
-MAX_CHOICES = 128  # OpenAI's limit on `n`
 _SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -72,7 +71,7 @@ class _OpenAIRequest(BaseModel):
 
     def _sampling(self, max_tokens: int | None, **fields: Any) -> SamplingParams:
         values = {f: getattr(self, f) for f in _SAMPLING_FIELDS if getattr(self, f) is not None}
-        return SamplingParams(max_tokens=max_tokens, **fields, **values)
+        return SamplingParams(n=self.n, max_tokens=max_tokens, **fields, **values)
 
     @property
     def include_usage(self) -> bool:
@@ -80,10 +79,7 @@ class _OpenAIRequest(BaseModel):
 
     def choice_params(self) -> list[SamplingParams]:
         """The sampling parameters of each of the `n` choices."""
-        params = self.sampling_params()  # type: ignore[attr-defined]
-        if params.seed is None:
-            return [params] * self.n
-        return [params.model_copy(update={"seed": params.seed + i}) for i in range(self.n)]
+        return self.sampling_params().choices()  # type: ignore[attr-defined]
 
 
 class CompletionRequest(_OpenAIRequest):
