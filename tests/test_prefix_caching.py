@@ -170,8 +170,9 @@ def test_cached_prefixes_survive_preemption(target, baseline):
     assert [o.token_ids for o in outs] == baseline
 
 
-def test_cached_prefixes_with_tensor_parallel_ranks(target, baseline):
+@pytest.mark.parametrize("layout", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_cached_prefixes_with_parallel_ranks(target, baseline, layout):
     path, specs = target
-    outs, _, hit_rate = _run(path, specs["eagle3"], tensor_parallel_size=2)
+    outs, _, hit_rate = _run(path, specs["eagle3"], **{layout: 2})
     assert [o.token_ids for o in outs] == baseline
     assert hit_rate > 0.5
