@@ -8,6 +8,7 @@ context length) run in `EngineConfig`, which reads the checkpoint's
 
 from __future__ import annotations
 
+import json
 import os
 from functools import cached_property
 from typing import Any, Literal
@@ -15,6 +16,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.architectures import check_target_config
 from cluster.speculative_config import SpeculativeConfig
 
 DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
@@ -84,6 +86,17 @@ class ModelConfig(_Frozen):
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(self.path, local_files_only=True)
+
+    @cached_property
+    def generation_eos_token_ids(self) -> tuple[int, ...]:
+        """`eos_token_id` of the checkpoint's generation_config.json (an int or a list:
+        Llama-3 lists <|eot_id|> and <|eom_id|> there); () without one."""
+        file = os.path.join(self.path, "generation_config.json")
+        if not os.path.isfile(file):
+            return ()
+        with open(file) as f:
+            eos = json.load(f).get("eos_token_id")
+        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
 
     @property
     def tokenizer_path(self) -> str:
@@ -214,26 +227,13 @@ class EngineConfig(_Frozen):
     @model_validator(mode="after")
     def _check_against_model(self) -> EngineConfig:
         hf = self.model.hf_config
-        tp = self.parallel.tensor_parallel_size
-        num_heads = int(hf.num_attention_heads)
-        num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or num_heads)
-        if num_heads % tp:
-            allowed = [n for n in range(1, num_heads + 1) if num_heads % n == 0]
-            raise ValueError(
-                f"parallel.tensor_parallel_size={tp} must divide the model's "
-                f"num_attention_heads={num_heads} (allowed: {allowed})"
-            )
-        if num_kv_heads % tp and tp % num_kv_heads:
-            raise ValueError(
-                f"parallel.tensor_parallel_size={tp} must divide the model's "
-                f"num_key_value_heads={num_kv_heads} or be a multiple of it"
-            )
+        max_len = self.model.resolved_max_model_len
+        check_target_config(hf, self.parallel.tensor_parallel_size, max_len)
         stage_layer_counts(
             int(hf.num_hidden_layers),
             self.parallel.pipeline_parallel_size,
             self.parallel.pipeline_layer_partition,
         )
-        max_len = self.model.resolved_max_model_len
         if max_len > self.model.max_position_embeddings:
             raise ValueError(
                 f"model.max_model_len={max_len} exceeds the model's "

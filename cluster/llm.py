@@ -30,7 +30,7 @@ def build_engine(config: EngineConfig, executor: Executor | None = None) -> LLME
 
     tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
     core = EngineCore(config, executor or make_executor(config))
-    return LLMEngine(core, tokenizer, int(config.model.hf_config.vocab_size))
+    return LLMEngine(core, tokenizer)
 
 
 def _merged(request_id: str, sequences: list[RequestOutput]) -> RequestOutput:

@@ -4,34 +4,26 @@ Methods: "eagle" (EAGLE-1 or the normalised-fusion EAGLE), "eagle3", "mtp" (Deep
 or Qwen3-Next-style heads, usually inside the target checkpoint), "ngram" (prompt
 lookup) and "draft_model" (a separate small LM with the same tokenizer). When `method`
 is not given it is detected from the draft checkpoint: its `architectures` and the
-names of its tensors (read from the safetensors headers, no weights loaded).
+names of its tensors (safetensors headers or memory-mapped `.bin` files: no weights are
+read). A checkpoint with an `fc` over [embedding, hidden] is EAGLE-1, whatever its
+`architectures` says (the public EAGLE-1 heads say `LlamaForCausalLM`).
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from safetensors import safe_open
+
+from cluster.checkpoints import checkpoint_tensor_shapes
 
 Method = Literal["eagle", "eagle3", "mtp", "ngram", "draft_model"]
 DraftKind = Literal[
     "eagle", "eagle_norm_fusion", "eagle3", "mtp_deepseek", "mtp_qwen3_next", "ngram", "draft_model"
 ]
-
-
-def checkpoint_tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in a folder's safetensors files (headers only)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
 
 
 def _read_config(path: str) -> dict[str, Any]:

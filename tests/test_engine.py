@@ -1,6 +1,8 @@
 """Engine behaviour on a tiny random model: stops, logprobs, seeds, bad input, chat."""
 
+import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -53,6 +55,23 @@ def test_eos_stops_unless_ignored(tiny, smollm2_path):
         llm.engine.tokenizer.eos_token_id = first
         out = llm.generate("x", greedy.model_copy(update={"ignore_eos": False}), use_tqdm=False)[0]
         assert out.outputs[0].token_ids == [first] and out.outputs[0].finish_reason == "stop"
+
+
+def test_generation_config_eos_ids_stop_generation(tiny, tmp_path):
+    """Every `eos_token_id` of generation_config.json (a list, as Llama-3 ships it) ends a
+    request like a stop token id, unless ignore_eos."""
+    path = tmp_path / "m"
+    shutil.copytree(tiny[0], path)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with LLM(str(path), dtype="float32", max_model_len=64, num_kv_blocks=64) as llm:
+        tokens = llm.generate("x", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, tokens[3]]}))
+    with LLM(str(path), dtype="float32", max_model_len=64, num_kv_blocks=64) as llm:
+        out = llm.generate("x", greedy.model_copy(update={"ignore_eos": False}), use_tqdm=False)
+        completion = out[0].outputs[0]
+        assert completion.token_ids == tokens[: tokens.index(tokens[3]) + 1]
+        assert (completion.finish_reason, completion.stop_reason) == ("stop", tokens[3])
+        assert llm.generate("x", greedy, use_tqdm=False)[0].outputs[0].token_ids == tokens
 
 
 def test_stop_string_is_cut_from_text(llm):

@@ -78,10 +78,16 @@ def test_single_rank_layers_and_errors():
     state = ParallelState.single()
     col = ColumnParallelLinear(4, 6, state)
     with pytest.raises(
-        ValueError,
-        match=r"checkpoint shape \(5, 4\) does not fit the parameter shard of shape \(6, 4\)",
+        ValueError, match=r"checkpoint shape \(5, 4\) has 5 in dim 0; the model expects 6"
     ):
         col.weight.weight_loader(col.weight, torch.zeros(5, 4))
+    # A larger tensor than the model's whole weight would fill rank 0's slice: refused.
+    rank0 = ColumnParallelLinear(4, 6, ParallelState(0, 2, 0, 1))
+    with pytest.raises(ValueError, match=r"has 10 in dim 0; the model expects 6 \(.* of 3 each"):
+        rank0.weight.weight_loader(rank0.weight, torch.zeros(10, 4))
+    qkv = QKVParallelLinear(8, 2, 4, 2, ParallelState(1, 2, 0, 1))
+    with pytest.raises(ValueError, match="has 6 in dim 0; the model expects 4"):
+        qkv.weight.weight_loader(qkv.weight, torch.zeros(6, 8), "k")
     with pytest.raises(ValueError, match="must divide num_key_value_heads=3"):
         QKVParallelLinear(8, 2, 6, 3, ParallelState(0, 2, 0, 1))
     emb = VocabParallelEmbedding(7, 3, state)

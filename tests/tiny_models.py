@@ -1,4 +1,5 @@
-"""Tiny random Llama checkpoints written by the tests (transformers config + save_pretrained)."""
+"""Tiny random checkpoints written by the tests (transformers config + save_pretrained):
+Llama variants, and one config per other served family (`FAMILIES`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from typing import Any
 
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 BASE = dict(
@@ -40,21 +42,66 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_tiny_llama(path: str, seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
-    """Write a random tiny Llama checkpoint to `path` (float32) and return the HF model."""
+# name -> (transformers architecture, config overrides): one tiny config per family,
+# covering what sets it apart (biases, q/k norms, head_dim != hidden / heads, YaRN, MoE).
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2": ("Qwen2ForCausalLM", dict(vocab_size=256)),
+    "qwen3": ("Qwen3ForCausalLM", dict(head_dim=24, attention_bias=False)),
+    "qwen3_yarn_bias": (
+        "Qwen3ForCausalLM",
+        dict(
+            attention_bias=True,
+            rope_parameters=dict(
+                rope_type="yarn", factor=4.0, original_max_position_embeddings=128, rope_theta=1e4
+            ),
+        ),
+    ),
+    "mistral": ("MistralForCausalLM", dict(sliding_window=None, head_dim=32)),
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen3_moe_unnormed": (
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=4, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=False),
+    ),
+}
+
+
+def make_tiny_llama(
+    path: str, seed: int = 0, architecture: str = "LlamaForCausalLM", **overrides: Any
+) -> Any:
+    """Write a random tiny checkpoint of `architecture` (a transformers class name;
+    Llama by default) to `path` (float32) and return the HF model."""
     torch.manual_seed(seed)
-    config = LlamaConfig(**{**BASE, **overrides})
-    model = LlamaForCausalLM(config).eval()
+    model_cls = getattr(transformers, architecture)
+    config_cls = LlamaConfig if model_cls is LlamaForCausalLM else model_cls.config_class
+    config = config_cls(**{**BASE, **overrides})
+    model = model_cls(config).eval()
     with torch.no_grad():  # random norms, so a wrong norm path cannot hide behind ones
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            elif "experts" in name or name.endswith("mlp.gate.weight"):  # decisive routing
+                p.copy_(torch.randn_like(p) * 0.2)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     return model
 
 
-def hf_logits(model: LlamaForCausalLM, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+def make_tiny_family(path: str, family: str, seed: int = 0, **overrides: Any) -> Any:
+    architecture, family_overrides = FAMILIES[family]
+    return make_tiny_llama(path, seed, architecture, **{**family_overrides, **overrides})
+
+
+def hf_logits(model: Any, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
     """transformers' logits for each sequence alone: list of [len, vocab]."""
     with torch.no_grad():
         return [model(s[None]).logits[0] for s in seqs]
@@ -62,7 +109,7 @@ def hf_logits(model: LlamaForCausalLM, seqs: list[torch.Tensor]) -> list[torch.T
 
 def make_tiny_chat_model(
     path: str, tokenizer_path: str, seed: int = 0, **overrides: Any
-) -> LlamaForCausalLM:
+) -> Any:
     """A tiny random Llama sharing the default model's tokenizer (vocab 49152), so the
     engine's text paths (chat template, detokenization, stop strings) run on it."""
     from transformers import AutoTokenizer

@@ -62,11 +62,7 @@ class EngineClient:
         self.engine_id = engine_id or uuid.uuid4().hex[:12]
         self.observer = observer
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
-        self.frontend = FrontEnd(
-            self.tokenizer,
-            int(config.model.hf_config.vocab_size),
-            config.model.resolved_max_model_len,
-        )
+        self.frontend = FrontEnd(self.tokenizer, config.model)
         name = f"cluster-{self.engine_id}"
         options: dict[str, Any] = {
             "num_cpus": 0,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from math import inf
 from typing import Any
 
+from cluster.config import ModelConfig
 from cluster.engine.messages import EngineCoreOutput
 from cluster.engine.output_processor import OutputProcessor, RequestState
 from cluster.engine.request import Request
@@ -37,10 +38,15 @@ class _Stream:
 
 
 class FrontEnd:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, model: ModelConfig) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
+        self.vocab_size = int(model.hf_config.vocab_size)
+        self.max_model_len = model.resolved_max_model_len
+        # End-of-sequence ids of generation_config.json besides the tokenizer's: they stop
+        # a request as stop token ids do (unless `ignore_eos`), as vLLM does.
+        self.extra_eos_token_ids = tuple(
+            t for t in model.generation_eos_token_ids if t != tokenizer.eos_token_id
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self._streams: dict[str, _Stream] = {}
 
@@ -52,6 +58,9 @@ class FrontEnd:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         text, ids = process_prompt(prompt, self.tokenizer, self.max_model_len, self.vocab_size)
         params = check_params(params, self.vocab_size, self.max_model_len, len(ids))
+        extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
+        if extra and not params.ignore_eos:
+            params = params.model_copy(update={"stop_token_ids": (*params.stop_token_ids, *extra)})
         request = Request(request_id, ids, params, eos_token_id=self.tokenizer.eos_token_id)
         self.output_processor.add_request(request_id, text, ids, params)
         return request

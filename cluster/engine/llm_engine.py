@@ -17,10 +17,10 @@ from cluster.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, core: EngineCore, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, core: EngineCore, tokenizer: Any) -> None:
         self.core = core
         self.tokenizer = tokenizer
-        self.frontend = FrontEnd(tokenizer, vocab_size, core.config.model.resolved_max_model_len)
+        self.frontend = FrontEnd(tokenizer, core.config.model)
         self._ids = itertools.count()
 
     def next_request_id(self) -> str:

@@ -1,4 +1,5 @@
-"""Llama-architecture target model (Llama-2/3, SmolLM2) on tensor-parallel layers.
+"""Llama-architecture target model (Llama-2/3, SmolLM2) on tensor-parallel layers; the
+dense decoder that the other families (`qwen.py`) change in a few places.
 
 `forward` takes the flattened new tokens of several sequences and their positions
 (the rest of the step's batch comes from `attention_context`) and returns the
@@ -48,6 +49,9 @@ class LlamaAttention(nn.Module):
         state: ParallelState,
         dtype: torch.dtype,
         input_size: int | None = None,  # EAGLE-3 feeds [embedding, hidden]: 2 * hidden_size
+        qkv_bias: bool | None = None,  # None: the config's `attention_bias` (o_proj's too)
+        o_bias: bool | None = None,
+        qk_norm: bool = False,  # Qwen3: RMSNorm over each head of q and k before rope
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -62,12 +66,20 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             num_kv_heads,
             state,
-            bias,
+            bias if qkv_bias is None else qkv_bias,
             dtype,
         )
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, state, bias, dtype=dtype
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            state,
+            bias if o_bias is None else o_bias,
+            dtype=dtype,
         )
+        self.q_norm = self.k_norm = None
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, theta, scaling)
         self.scale = self.head_dim**-0.5
@@ -86,17 +98,26 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.qkv_proj.num_heads, self.head_dim)
         k = k.view(-1, self.qkv_proj.num_kv_heads, self.head_dim)
         v = v.view(-1, self.qkv_proj.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = apply_rope(q, k, rope)
         return self.o_proj(attention(q, k, v, self.layer_idx, self.scale))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, state: ParallelState, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: Any,
+        state: ParallelState,
+        dtype: torch.dtype,
+        intermediate_size: int | None = None,
+    ) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
         bias = bool(getattr(config, "mlp_bias", False))
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [size, size], state, bias, dtype
         )
@@ -107,14 +128,28 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention then MLP. Other families change the two factories."""
+
     def __init__(
         self, config: Any, layer_idx: int, state: ParallelState, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, state, dtype)
-        self.mlp = LlamaMLP(config, state, dtype)
+        self.self_attn = self.make_attention(config, layer_idx, state, dtype)
+        self.mlp = self.make_mlp(config, layer_idx, state, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    @staticmethod
+    def make_attention(
+        config: Any, layer_idx: int, state: ParallelState, dtype: torch.dtype
+    ) -> LlamaAttention:
+        return LlamaAttention(config, layer_idx, state, dtype)
+
+    @staticmethod
+    def make_mlp(
+        config: Any, layer_idx: int, state: ParallelState, dtype: torch.dtype
+    ) -> nn.Module:
+        return LlamaMLP(config, state, dtype)
 
     def forward(
         self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -133,7 +168,13 @@ class LlamaModel(nn.Module):
     placeholders so parameter names keep the checkpoint's global layer indices; the
     embedding lives on the first stage, the final norm on the last."""
 
-    def __init__(self, config: Any, state: ParallelState, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: Any,
+        state: ParallelState,
+        dtype: torch.dtype,
+        layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer,
+    ) -> None:
         super().__init__()
         self.config = config
         self.state = state
@@ -146,7 +187,7 @@ class LlamaModel(nn.Module):
                 config.vocab_size, config.hidden_size, state, dtype
             )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, state, dtype)
+            layer_cls(config, i, state, dtype)
             if self.start_layer <= i < self.end_layer
             else nn.Identity()
             for i in range(num_layers)
@@ -184,6 +225,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
     # The checkpoint tensor of the token embedding (a draft on the last stage may need it).
     embedding_checkpoint_name = "model.embed_tokens.weight"
 
@@ -204,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.state = state
-        self.model = LlamaModel(config, state, dtype)
+        self.model = LlamaModel(config, state, dtype, self.decoder_layer_cls)
         self.lm_head: ParallelLMHead | None = None
         if state.is_last_stage:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, state, dtype=dtype)

@@ -1,4 +1,5 @@
-"""Load an HF safetensors checkpoint into a (sharded) model.
+"""Load an HF checkpoint (safetensors or `.bin`, `cluster.checkpoints`) into a (sharded)
+model.
 
 Every checkpoint tensor is handed to its parameter's `weight_loader` as a
 `LazyTensor`, so each rank reads only the slice it keeps. The model declares
@@ -8,59 +9,26 @@ its name mapping (`packed_modules_mapping`, `ignored_checkpoint_tensors`,
 
 from __future__ import annotations
 
-import glob
-import json
-import logging
-import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from cluster.checkpoints import checkpoint_tensor_shapes, iterate_tensors
 from cluster.config import ModelConfig
 from cluster.models.draft_base import DraftModel
 from cluster.models.registry import draft_class_for, model_class_for
 from cluster.parallel import ParallelState
 from cluster.parallel.weights import LazyTensor, default_weight_loader
-from cluster.speculative_config import SpeculativeConfig, checkpoint_tensor_shapes
-
-logger = logging.getLogger(__name__)
-
-
-def checkpoint_files(path: str) -> list[str]:
-    """The checkpoint's safetensors files (from the index when there is one)."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint folder {path!r} does not exist")
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(path, n) for n in names]
-        missing = [f for f in files if not os.path.isfile(f)]
-        if missing:
-            raise FileNotFoundError(f"files named in {index} are missing: {missing}")
-        return files
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path!r}")
-    return files
+from cluster.speculative_config import SpeculativeConfig
 
 
 def iterate_checkpoint(path: str, stack: ExitStack) -> Iterator[LazyTensor]:
     """Every tensor of the checkpoint as a LazyTensor (files stay open while `stack` is)."""
-    for file in checkpoint_files(path):
-        handle = stack.enter_context(safe_open(file, framework="pt"))
-        for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            tensor_slice = handle.get_slice(name)
-            shape = tuple(tensor_slice.get_shape())
-
-            def read(slices: tuple[slice, ...], s=tensor_slice) -> torch.Tensor:
-                return s[slices] if slices else s[:]
-
-            yield LazyTensor(name, shape, read)
+    for name, shape, read in iterate_tensors(path, stack):
+        yield LazyTensor(name, shape, read)
 
 
 def load_weights(
@@ -69,16 +37,20 @@ def load_weights(
     show_progress: bool = True,
     rename: Callable[[str], str | None] | None = None,
 ) -> None:
-    """Fill every parameter of `model` from the checkpoint at `path`.
+    """Fill every parameter of `model` from the checkpoint at `path`, strictly: a tensor
+    the model has no parameter for is an error naming it, unless the model lists it in
+    `ignored_checkpoint_tensors`; so is a parameter the checkpoint leaves unfilled.
 
     `rename` (default: the model's `map_checkpoint_name`, if any) maps checkpoint names
-    to parameter names; None skips a tensor (a draft's foreign tensors, another
-    pipeline stage's layers)."""
+    to parameter names; None skips a tensor on purpose (a draft's foreign tensors,
+    another pipeline stage's layers). A model's `checkpoint_shard(name)` may place a
+    tensor in part of a stacked parameter (MoE experts)."""
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     ignored: tuple[str, ...] = getattr(model, "ignored_checkpoint_tensors", ())
     tied = bool(getattr(model, "tie_word_embeddings", False))
     rename = rename or getattr(model, "map_checkpoint_name", None)
+    shard_of = getattr(model, "checkpoint_shard", None)
     loaded: dict[str, set[object]] = {}  # parameter -> shard ids filled (None: whole)
     with ExitStack() as stack:
         tensors = list(iterate_checkpoint(path, stack))
@@ -88,27 +60,48 @@ def load_weights(
             name = rename(tensor.name) if rename is not None else tensor.name
             if name is None or any(piece in name for piece in ignored):
                 continue
-            param_name, shard_id = name, None
-            for ckpt_piece, (param_piece, packed_shard) in packed.items():
-                if f".{ckpt_piece}." in name:
-                    param_name = name.replace(f".{ckpt_piece}.", f".{param_piece}.")
-                    shard_id = packed_shard
-                    break
+            param_name, shard_id = _parameter_of(name, packed, shard_of)
             if param_name not in params:
-                logger.warning("checkpoint tensor %s has no parameter in the model; skipped", name)
-                continue
+                raise ValueError(
+                    f"checkpoint {path!r} holds {tensor.name!r} (shape {tensor.full_shape}), "
+                    f"which {type(model).__name__} has no parameter for"
+                )
             param = params[param_name]
             if shard_id is None:
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             else:
                 param.weight_loader(param, tensor, shard_id)
             loaded.setdefault(param_name, set()).add(shard_id)
-    missing = [name for name in params if _expected_shards(name, packed) - loaded.get(name, set())]
+    missing = [
+        name
+        for name, param in params.items()
+        if _expected_shards(name, param, packed) - loaded.get(name, set())
+    ]
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensors for: {missing[:20]}")
 
 
-def _expected_shards(param_name: str, packed: dict[str, tuple[str, object]]) -> set[object]:
+def _parameter_of(
+    name: str,
+    packed: dict[str, tuple[str, object]],
+    shard_of: Callable[[str], tuple[str, object] | None] | None,
+) -> tuple[str, object]:
+    """(parameter name, shard id or None) for a checkpoint tensor's (renamed) name."""
+    placed = shard_of(name) if shard_of is not None else None
+    if placed is not None:
+        return placed
+    for ckpt_piece, (param_piece, packed_shard) in packed.items():
+        if f".{ckpt_piece}." in name:
+            return name.replace(f".{ckpt_piece}.", f".{param_piece}."), packed_shard
+    return name, None
+
+
+def _expected_shards(
+    param_name: str, param: nn.Parameter, packed: dict[str, tuple[str, object]]
+) -> set[object]:
+    declared = getattr(param, "checkpoint_shards", None)
+    if declared is not None:
+        return set(declared)
     shards = {shard for piece, shard in packed.values() if f".{piece}." in param_name}
     return shards or {None}
 

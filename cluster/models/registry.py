@@ -6,10 +6,21 @@ from typing import Any
 
 from torch import nn
 
+from cluster.architectures import architecture_of
 from cluster.models.llama import LlamaForCausalLM
+from cluster.models.qwen import (
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
@@ -18,13 +29,7 @@ def supported_architectures() -> list[str]:
 
 
 def model_class_for(hf_config: Any) -> type[nn.Module]:
-    names = list(getattr(hf_config, "architectures", None) or [])
-    for name in names:
-        if name in _ARCHITECTURES:
-            return _ARCHITECTURES[name]
-    raise ValueError(
-        f"architectures={names} are not supported (supported: {supported_architectures()})"
-    )
+    return _ARCHITECTURES[architecture_of(hf_config)]
 
 
 def draft_class_for(kind: str) -> type[nn.Module]:

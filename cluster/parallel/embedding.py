@@ -14,7 +14,7 @@ from torch import nn
 
 from cluster.parallel.comm import all_gather, all_reduce
 from cluster.parallel.state import ParallelState
-from cluster.parallel.weights import TensorLike, copy_shard
+from cluster.parallel.weights import TensorLike, copy_shard, tensor_name
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,8 +40,8 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: TensorLike) -> None:
         if loaded.shape[0] != self.num_embeddings:
             raise ValueError(
-                f"vocab-parallel tensor of shape {tuple(loaded.shape)} does not match vocab_size="
-                f"{self.num_embeddings}"
+                f"{tensor_name(loaded)}: checkpoint shape {tuple(loaded.shape)} does not match "
+                f"vocab_size={self.num_embeddings}"
             )
         num_real = max(0, min(self.vocab_end, self.num_embeddings) - self.vocab_start)
         param.data.zero_()

@@ -16,7 +16,7 @@ from cluster.parallel.state import ParallelState
 from cluster.parallel.weights import TensorLike, copy_shard
 
 
-def _divide(numerator: int, denominator: int, what: str) -> int:
+def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(
             f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}"
@@ -56,7 +56,8 @@ class LinearBase(nn.Module):
             copy_shard(param.data, loaded)
         else:
             shard = param.shape[dim]
-            copy_shard(param.data, loaded, dim, self.tp_rank * shard, shard)
+            full = shard * self.tp_size
+            copy_shard(param.data, loaded, dim, self.tp_rank * shard, shard, full=full)
 
 
 class ReplicatedLinear(LinearBase):
@@ -90,7 +91,7 @@ class ColumnParallelLinear(LinearBase):
         gather_output: bool = False,
         dtype: torch.dtype | None = None,
     ) -> None:
-        out_local = _divide(out_features, state.tp_size, "out_features")
+        out_local = divide(out_features, state.tp_size, "out_features")
         super().__init__(in_features, out_local, bias, state, dtype)
         self.gather_output = gather_output
 
@@ -121,7 +122,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         part_local = self.output_sizes[shard_id] // self.tp_size
         offset_local = sum(self.output_sizes[:shard_id]) // self.tp_size
         dst = param.data.narrow(0, offset_local, part_local)
-        copy_shard(dst, loaded, 0, self.tp_rank * part_local, part_local)
+        full = self.output_sizes[shard_id]
+        copy_shard(dst, loaded, 0, self.tp_rank * part_local, part_local, full=full)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -144,7 +146,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         tp = state.tp_size
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
+        self.num_heads = divide(num_heads, tp, "num_attention_heads")
         if num_kv_heads % tp == 0:
             self.num_kv_heads, self.kv_replicas = num_kv_heads // tp, 1
         elif tp % num_kv_heads == 0:
@@ -171,14 +173,16 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         if shard_id == "q":
             offset, size, rank = 0, self.q_size, self.tp_rank
+            full = size * self.tp_size
         elif shard_id in ("k", "v"):
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
             size, rank = self.kv_size, self.tp_rank // self.kv_replicas
+            full = size * (self.tp_size // self.kv_replicas)  # every KV head once
         else:
             raise ValueError(
                 f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
             )
-        copy_shard(param.data.narrow(0, offset, size), loaded, 0, rank * size, size)
+        copy_shard(param.data.narrow(0, offset, size), loaded, 0, rank * size, size, full=full)
 
 
 class RowParallelLinear(LinearBase):
@@ -198,7 +202,7 @@ class RowParallelLinear(LinearBase):
         reduce_results: bool = True,
         dtype: torch.dtype | None = None,
     ) -> None:
-        in_local = _divide(in_features, state.tp_size, "in_features")
+        in_local = divide(in_features, state.tp_size, "in_features")
         super().__init__(in_local, out_features, bias, state, dtype)
         self.reduce_results = reduce_results
 

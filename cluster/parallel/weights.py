@@ -73,9 +73,18 @@ def copy_shard(
     dim: int | None = None,
     start: int = 0,
     length: int | None = None,
+    full: int | None = None,
 ) -> None:
-    """Copy `loaded.narrow(dim, start, length)` (or all of it) into `dst`, checking shapes."""
+    """Copy `loaded.narrow(dim, start, length)` (or all of it) into `dst`, checking shapes:
+    with `full`, the checkpoint's `dim` must be exactly that long (every rank's shards
+    together), so a mismatched checkpoint cannot load a wrong slice silently."""
     full_shape = tuple(loaded.shape)
+    if dim is not None and full is not None and full_shape[dim] != full:
+        raise ValueError(
+            f"{tensor_name(loaded)}: checkpoint shape {full_shape} has {full_shape[dim]} in "
+            f"dim {dim}; the model expects {full} (tensor-parallel shards of "
+            f"{dst.shape[dim]} each)"
+        )
     if dim is not None:
         length = dst.shape[dim] if length is None else length
         if start + length > loaded.shape[dim] or len(loaded.shape) != dst.dim():

@@ -74,6 +74,8 @@ def _write(
 ) -> str:
     os.makedirs(path, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, name))
+    # (a target's per-layer list would not match the head's own layer count)
+    config = {k: v for k, v in config.items() if k != "layer_types"}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return path

@@ -1,0 +1,134 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE's): a router picks the top-k experts of each
+token, each expert is a SiLU-gated MLP, and a token's output is the routing-weighted sum
+of its experts' outputs.
+
+Tensor parallelism splits every expert's intermediate dimension across the TP ranks
+(each rank holds a slice of every expert, as a row/column-parallel MLP does), so the
+ranks' partial sums are all-reduced once per block and no token moves between ranks.
+
+Two expert computations give the same result: `experts_by_expert` (each expert runs
+once over the tokens routed to it: the reference, and the fast path for prefill) and
+`experts_by_token` (each (token, expert) pair gathers its expert's weights and the pairs
+run as one batched matmul: fewer, larger kernels when a decode step has few tokens).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cluster.parallel import ParallelState, ReplicatedLinear
+from cluster.parallel.comm import all_reduce
+from cluster.parallel.linear import divide
+from cluster.parallel.weights import TensorLike, copy_shard
+
+# At most this many (token, expert) pairs take the gathered-weights path.
+MAX_GATHERED_PAIRS = 16
+# `...mlp.experts.7.gate_proj.weight` -> ("...mlp", 7, "gate")
+_EXPERT_TENSOR = re.compile(r"^(.*)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def experts_by_expert(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: gate rows, then up rows
+    w2: torch.Tensor,  # [num_experts, hidden, inter]
+    top_ids: torch.Tensor,  # [num_tokens, top_k] int64
+    top_weights: torch.Tensor,  # [num_tokens, top_k], x's dtype
+) -> torch.Tensor:
+    """[num_tokens, hidden]: every expert over the tokens routed to it (transformers' order
+    of computation)."""
+    out = torch.zeros_like(x)
+    for expert in top_ids.unique().tolist():
+        token, slot = torch.where(top_ids == expert)
+        gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert]) * top_weights[token, slot, None]
+        out.index_add_(0, token, y)
+    return out
+
+
+def experts_by_token(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_weights: torch.Tensor,
+) -> torch.Tensor:
+    """`experts_by_expert`'s result (up to float rounding) from one batched matmul over the
+    (token, expert) pairs."""
+    num_tokens, top_k = top_ids.shape
+    ids = top_ids.reshape(-1)  # [pairs]
+    rows = x.repeat_interleave(top_k, dim=0)[:, :, None]  # [pairs, hidden, 1]
+    gate, up = torch.bmm(w13[ids], rows)[:, :, 0].chunk(2, dim=-1)  # [pairs, inter] each
+    y = torch.bmm(w2[ids], (F.silu(gate) * up)[:, :, None])[:, :, 0]  # [pairs, hidden]
+    y = y * top_weights.reshape(-1, 1)
+    return y.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`), then the experts; `w13` / `w2` hold every expert's TP slice."""
+
+    def __init__(self, config: Any, state: ParallelState, dtype: torch.dtype) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+        self.state = state
+        self.top_k = int(config.num_experts_per_tok)
+        self.norm_topk_prob = bool(config.norm_topk_prob)
+        num_experts, hidden = int(config.num_experts), int(config.hidden_size)
+        self.intermediate = int(config.moe_intermediate_size)
+        local = divide(self.intermediate, state.tp_size, "moe_intermediate_size")
+        self.gate = ReplicatedLinear(hidden, num_experts, state, dtype=dtype)
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * local, hidden, dtype=dtype), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden, local, dtype=dtype), requires_grad=False
+        )
+        self.w13.weight_loader = self._load_w13
+        self.w2.weight_loader = self._load_w2
+        # what a checkpoint must provide (the loader checks it)
+        self.w13.checkpoint_shards = {(e, j) for e in range(num_experts) for j in (0, 1)}
+        self.w2.checkpoint_shards = set(range(num_experts))
+
+    def _load_w13(self, param: nn.Parameter, loaded: TensorLike, shard: tuple[int, int]) -> None:
+        expert, part = shard  # part 0: gate_proj, 1: up_proj
+        local = param.shape[1] // 2
+        dst = param.data[expert].narrow(0, part * local, local)
+        copy_shard(dst, loaded, 0, self.state.tp_rank * local, local, full=self.intermediate)
+
+    def _load_w2(self, param: nn.Parameter, loaded: TensorLike, expert: int) -> None:
+        local = param.shape[2]
+        dst = param.data[expert]
+        copy_shard(dst, loaded, 1, self.state.tp_rank * local, local, full=self.intermediate)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([num_tokens, top_k] expert ids, their weights in x's dtype)."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [num_tokens, experts]
+        top_weights, top_ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        return top_ids, top_weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_ids, top_weights = self.route(x)
+        if top_ids.numel() <= MAX_GATHERED_PAIRS:
+            out = experts_by_token(x, self.w13, self.w2, top_ids, top_weights)
+        else:
+            out = experts_by_expert(x, self.w13, self.w2, top_ids, top_weights)
+        return all_reduce(out, self.state)
+
+
+def expert_checkpoint_shard(name: str) -> tuple[str, object] | None:
+    """`...mlp.experts.E.{gate,up,down}_proj.weight` -> (`...mlp.w13`, (E, 0 | 1)) or
+    (`...mlp.w2`, E); None for any other tensor."""
+    match = _EXPERT_TENSOR.match(name)
+    if match is None:
+        return None
+    prefix, expert, which = match.group(1), int(match.group(2)), match.group(3)
+    if which == "down":
+        return f"{prefix}.w2", expert
+    return f"{prefix}.w13", (expert, 0 if which == "gate" else 1)

@@ -1,0 +1,183 @@
+"""Qwen2, Qwen3 (q/k norms, YaRN), Qwen3-MoE and Mistral targets equal transformers on
+tiny random checkpoints: logits (float32, < 1e-4) at TP=1 and TP=2 for a batch of
+different lengths, greedy generation token for token through the engine (chunked
+prefill, prefix caching), speculation lossless on them; configs the engine cannot serve
+exactly are refused when the configuration is built."""
+
+import json
+import os
+
+import pytest
+import torch
+from forward_helpers import prefill
+from tiny_models import FAMILIES, hf_logits, make_tiny_family
+from tp_workers import model_logits, spawn_ranks
+from transformers import AutoTokenizer
+
+from cluster import LLM, SamplingParams
+from cluster.architectures import TARGET_ARCHITECTURES
+from cluster.config import ModelConfig, engine_config_from_args
+from cluster.models.loader import load_model
+from cluster.models.moe import experts_by_expert, experts_by_token
+from cluster.models.registry import supported_architectures
+from cluster.parallel import ParallelState
+from cluster.spec_decode.random_heads import write_all
+
+TOL = 1e-4
+SEQ_LENS = [1, 7, 19, 4]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, smollm2_path):
+    """family -> (path, hf model); each folder carries a tokenizer so the engine runs."""
+    root = tmp_path_factory.mktemp("families")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        path = str(root / family)
+        out[family] = (path, make_tiny_family(path, family, seed=10 + i))
+        tokenizer.save_pretrained(path)
+    return out
+
+
+def _batch(vocab_size, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g) for n in SEQ_LENS]
+
+
+def test_every_architecture_has_a_model_class():
+    assert supported_architectures() == sorted(TARGET_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tp1_logits_match_transformers(checkpoints, family):
+    path, hf = checkpoints[family]
+    seqs = _batch(hf.config.vocab_size, seed=1)
+    model = load_model(ModelConfig(path=path, dtype="float32"), ParallelState.single(), False)
+    assert type(model).__name__ == hf.config.architectures[0]
+    with torch.no_grad():
+        logits = model.compute_logits(prefill(model, torch.cat(seqs), SEQ_LENS))
+    for ours, ref in zip(logits.split(SEQ_LENS), hf_logits(hf, seqs), strict=True):
+        assert (ours - ref).abs().max().item() < TOL
+
+
+def test_tp2_logits_match_transformers(checkpoints):
+    names = list(FAMILIES)
+    seqs = _batch(min(checkpoints[n][1].config.vocab_size for n in names), seed=2)
+    paths = [checkpoints[n][0] for n in names]
+    per_rank = spawn_ranks(model_logits, 2, args=(2, paths, [s.tolist() for s in seqs]))
+    for i, name in enumerate(names):
+        refs = hf_logits(checkpoints[name][1], seqs)
+        for rank_logits in per_rank:
+            for ours, ref in zip(rank_logits[i].split(SEQ_LENS), refs, strict=True):
+                assert (ours - ref).abs().max().item() < TOL, name
+
+
+ENGINE = dict(
+    dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4, max_num_batched_tokens=8
+)
+PROMPTS = [[5, 9, 33, 71, 2, 18, 100, 41, 7, 7, 19], [200, 3, 4], [5, 9, 33, 71, 2, 18, 100]]
+NEW_TOKENS = 10
+
+
+def _hf_greedy(hf, prompt):
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def _greedy(path, spec=None):
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    spec = {**spec, "num_speculative_tokens": 3} if spec else None
+    with LLM(path, speculative_config=spec, **ENGINE) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [o.outputs[0] for o in outs]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_yarn_bias", "mistral", "qwen3_moe"])
+def test_greedy_generation_equals_transformers(checkpoints, family):
+    path, hf = checkpoints[family]
+    outs = _greedy(path)
+    assert [o.token_ids for o in outs] == [_hf_greedy(hf, p) for p in PROMPTS]
+
+
+# EAGLE-3 on Qwen3, the normalised-fusion EAGLE on Qwen3-MoE, n-gram lookup on the rest.
+SPECULATION = [
+    ("qwen3", "eagle3"),
+    ("qwen3_moe", "eagle_norm_fusion"),
+    ("qwen3_moe_unnormed", "ngram"),
+    ("qwen2", "ngram"),
+    ("mistral", "ngram"),
+]
+
+
+@pytest.mark.parametrize(("family", "method"), SPECULATION)
+def test_speculation_is_lossless(checkpoints, tmp_path, family, method):
+    path, hf = checkpoints[family]
+    specs = write_all(str(tmp_path / "drafts"), path)
+    outs = _greedy(path, specs[method])
+    assert [o.token_ids for o in outs] == [_hf_greedy(hf, p) for p in PROMPTS]
+    assert sum(o.num_draft_tokens for o in outs) > 0
+
+
+def test_expert_paths_agree():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 16, generator=g)
+    w13, w2 = torch.randn(4, 24, 16, generator=g), torch.randn(4, 16, 12, generator=g)
+    top_ids = torch.tensor([[0, 3], [3, 1], [2, 0], [1, 2], [3, 0]])
+    weights = torch.rand(5, 2, generator=g)
+    by_expert = experts_by_expert(x, w13, w2, top_ids, weights)
+    torch.testing.assert_close(experts_by_token(x, w13, w2, top_ids, weights), by_expert)
+    # the reference itself, one token and expert at a time
+    for t in range(5):
+        want = sum(
+            weights[t, j]
+            * (torch.nn.functional.silu(w13[e, :12] @ x[t]) * (w13[e, 12:] @ x[t]))
+            @ w2[e].T
+            for j, e in enumerate(top_ids[t].tolist())
+        )
+        torch.testing.assert_close(by_expert[t], want, atol=1e-5, rtol=1e-5)
+
+
+def _edited(path, tmp_path, **changes):
+    """A copy of the checkpoint's config.json with `changes`, in a new folder."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = {**json.load(f), **changes}
+    out = tmp_path / "_".join(changes)
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "args", "message"),
+    [
+        ("mistral", {"sliding_window": 64}, {}, r"sliding window of 64 tokens.*<= 64"),
+        (
+            "qwen3",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+            {},
+            r"rope_type='dynamic' is not supported",
+        ),
+        ("qwen2", {"hidden_act": "gelu"}, {}, r"hidden_act='gelu' is not supported"),
+        (
+            "qwen3_moe",
+            {"moe_intermediate_size": 33},
+            {"tensor_parallel_size": 2},
+            r"divide the model's moe_intermediate_size=33",
+        ),
+        ("qwen2", {"architectures": ["GPT2LMHeadModel"]}, {}, r"are not supported"),
+    ],
+)
+def test_unservable_configs_are_refused_when_built(
+    checkpoints, tmp_path, family, changes, args, message
+):
+    path = _edited(checkpoints[family][0], tmp_path, **changes)
+    with pytest.raises(ValueError, match=message):
+        engine_config_from_args(path, max_model_len=128, **args)
