@@ -1,8 +1,15 @@
 """SpeculativeConfig: method detection from checkpoints, and clear errors."""
 
+import json
+import os
+import shutil
+
 import pytest
+import torch
+from safetensors.torch import load_file
 from tiny_models import make_tiny_chat_model, make_tiny_llama
 
+from cluster import LLM, SamplingParams
 from cluster.config import engine_config_from_args
 from cluster.spec_decode.ngram import ngram_drafts
 from cluster.spec_decode.random_heads import write_all
@@ -32,6 +39,53 @@ def test_method_is_detected_from_the_checkpoint(setup):
         assert cfg.resolved_method == method, name
         assert cfg.draft_kind_for(target) == name
     assert SpeculativeConfig(model="ngram", num_speculative_tokens=2).resolved_method == "ngram"
+
+
+def _as_bin(head, out, **config_changes):
+    """A copy of a head folder with its tensors in pytorch_model.bin (as public heads
+    ship), and its config changed."""
+    shutil.copytree(head, out)
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    os.remove(os.path.join(out, "model.safetensors"))
+    torch.save(tensors, os.path.join(out, "pytorch_model.bin"))
+    with open(os.path.join(out, "config.json")) as f:
+        config = {**json.load(f), **config_changes}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(out)
+
+
+def test_public_bin_heads_are_detected_and_draft_losslessly(setup):
+    """EAGLE-1 as published (`.bin`, `architectures: LlamaForCausalLM`), EAGLE-3 and the
+    normalised EAGLE as `.bin`: detected by their tensors, loaded, lossless."""
+    target, specs, root = setup
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 6, 7, 5, 6]}
+    engine = dict(dtype="float32", max_model_len=64, num_kv_blocks=32)
+    with LLM(target, **engine) as llm:
+        expected = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    for kind, changes in [
+        ("eagle", {"architectures": ["LlamaForCausalLM"]}),
+        ("eagle3", {}),
+        ("eagle_norm_fusion", {}),
+    ]:
+        head = _as_bin(specs[kind]["model"], root / f"bin_{kind}", **changes)
+        cfg = SpeculativeConfig(model=head, num_speculative_tokens=2)
+        assert cfg.draft_kind_for(target) == kind
+        with LLM(target, speculative_config=cfg.model_dump(), **engine) as llm:
+            out = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == expected and out.num_draft_tokens > 0, kind
+
+
+def test_a_head_with_an_unexpected_tensor_is_refused(setup):
+    target, specs, root = setup
+    head = _as_bin(specs["eagle"]["model"], root / "extra")
+    tensors = torch.load(os.path.join(head, "pytorch_model.bin"), weights_only=True)
+    tensors["layers.0.self_attn.rotary_bias"] = torch.zeros(2)
+    torch.save(tensors, os.path.join(head, "pytorch_model.bin"))
+    spec = {"model": head, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=r"'layers\.0\.self_attn\.rotary_bias'"):
+        LLM(target, dtype="float32", max_model_len=64, speculative_config=spec)
 
 
 def test_mtp_heads_default_to_the_target_checkpoint(setup):

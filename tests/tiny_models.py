@@ -107,9 +107,7 @@ def hf_logits(model: Any, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
         return [model(s[None]).logits[0] for s in seqs]
 
 
-def make_tiny_chat_model(
-    path: str, tokenizer_path: str, seed: int = 0, **overrides: Any
-) -> Any:
+def make_tiny_chat_model(path: str, tokenizer_path: str, seed: int = 0, **overrides: Any) -> Any:
     """A tiny random Llama sharing the default model's tokenizer (vocab 49152), so the
     engine's text paths (chat template, detokenization, stop strings) run on it."""
     from transformers import AutoTokenizer
