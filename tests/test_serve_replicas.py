@@ -173,7 +173,7 @@ def test_failed_deploy_leaves_no_actors(app, tiny):
     with pytest.raises(RuntimeError, match="Deploying application broken failed"):
         serve.run(build_openai_app(args, overrides), name="broken", route_prefix="/broken")
     status = serve.status().applications["broken"].deployments["LLMServer"]
-    assert "no *.safetensors files" in status.message  # ... but the weights are missing
+    assert "no *.safetensors or pytorch_model*.bin files" in status.message  # no weights
     serve.delete("broken")
     wait_for(lambda: set(engine_actor_names()) <= before, 30, "the failed engines' actors to go")
 
