@@ -11,6 +11,7 @@ from typing import Any
 
 # Hugging Face `architectures` names with a model class.
 TARGET_ARCHITECTURES = (
+    "DeepseekV3ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
@@ -89,5 +90,10 @@ def check_target_config(hf_config: Any, tensor_parallel_size: int, max_model_len
             f"num_key_value_heads={num_kv_heads} or be a multiple of it"
         )
     _divides(tp, int(hf_config.intermediate_size), "intermediate_size")
-    if arch == "Qwen3MoeForCausalLM":
+    if arch in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"):
         _divides(tp, int(hf_config.moe_intermediate_size), "moe_intermediate_size")
+    if arch == "DeepseekV3ForCausalLM" and int(hf_config.n_routed_experts) % int(hf_config.n_group):
+        raise ValueError(
+            f"n_routed_experts={hf_config.n_routed_experts} must be a multiple of "
+            f"n_group={hf_config.n_group}"
+        )

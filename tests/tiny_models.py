@@ -68,6 +68,54 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             mlp_only_layers=[1],
         ),
     ),
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=3,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            q_lora_rank=24,
+            kv_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=12,
+        ),
+    ),
+    "deepseek_v3_yarn_no_q_lora": (
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            n_shared_experts=2,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=2,
+            routed_scaling_factor=1.5,
+            norm_topk_prob=False,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=4.0,
+                original_max_position_embeddings=128,
+                mscale=1.0,
+                mscale_all_dim=0.8,
+                rope_theta=1e4,
+            ),
+        ),
+    ),
     "qwen3_moe_unnormed": (
         "Qwen3MoeForCausalLM",
         dict(num_experts=4, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=False),
@@ -91,6 +139,9 @@ def make_tiny_llama(
                 p.add_(torch.randn_like(p) * 0.1)
             elif "experts" in name or name.endswith("mlp.gate.weight"):  # decisive routing
                 p.copy_(torch.randn_like(p) * 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's routing correction
+                b.copy_(torch.randn_like(b) * 0.1)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     return model

@@ -72,16 +72,21 @@ def experts_by_token(
 
 
 class SparseMoeBlock(nn.Module):
-    """Router (`gate`), then the experts; `w13` / `w2` hold every expert's TP slice."""
+    """Router (`gate`), then the experts; `w13` / `w2` hold every expert's TP slice.
+    Qwen3-MoE's routing (softmax, top-k, optionally renormalised); `route` is what other
+    families change."""
 
-    def __init__(self, config: Any, state: ParallelState, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: Any, state: ParallelState, dtype: torch.dtype, num_experts: int | None = None
+    ) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
         self.state = state
         self.top_k = int(config.num_experts_per_tok)
         self.norm_topk_prob = bool(config.norm_topk_prob)
-        num_experts, hidden = int(config.num_experts), int(config.hidden_size)
+        num_experts = num_experts or int(config.num_experts)
+        hidden = int(config.hidden_size)
         self.intermediate = int(config.moe_intermediate_size)
         local = divide(self.intermediate, state.tp_size, "moe_intermediate_size")
         self.gate = ReplicatedLinear(hidden, num_experts, state, dtype=dtype)
@@ -116,13 +121,15 @@ class SparseMoeBlock(nn.Module):
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         return top_ids, top_weights.to(x.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def experts(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the routed experts' outputs ([num_tokens, hidden])."""
         top_ids, top_weights = self.route(x)
         if torch.compiler.is_compiling() and top_ids.numel() <= MAX_GATHERED_PAIRS:
-            out = experts_by_token(x, self.w13, self.w2, top_ids, top_weights)
-        else:
-            out = experts_by_expert(x, self.w13, self.w2, top_ids, top_weights)
-        return all_reduce(out, self.state)
+            return experts_by_token(x, self.w13, self.w2, top_ids, top_weights)
+        return experts_by_expert(x, self.w13, self.w2, top_ids, top_weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.experts(x), self.state)
 
 
 def expert_checkpoint_shard(name: str) -> tuple[str, object] | None:

@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from cluster.architectures import architecture_of
+from cluster.models.deepseek import DeepseekV3ForCausalLM
 from cluster.models.llama import LlamaForCausalLM
 from cluster.models.qwen import (
     MistralForCausalLM,
@@ -16,6 +17,7 @@ from cluster.models.qwen import (
 )
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
