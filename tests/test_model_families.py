@@ -107,10 +107,13 @@ def test_greedy_generation_equals_transformers(checkpoints, family):
     assert [o.token_ids for o in outs] == [_hf_greedy(hf, p) for p in PROMPTS]
 
 
-# EAGLE-3 on Qwen3, the normalised-fusion EAGLE on Qwen3-MoE, n-gram lookup on all.
+# EAGLE-3 on Qwen3, the normalised-fusion EAGLE on Qwen3-MoE, DeepSeek-V3 with its own MTP
+# layers (MLA + MoE blocks, two of them), n-gram lookup on all.
 SPECULATION = [
     ("qwen3", "eagle3"),
     ("qwen3_moe", "eagle_norm_fusion"),
+    ("deepseek_v3", "mtp_deepseek"),
+    ("deepseek_v3_yarn_no_q_lora", "mtp_deepseek"),
     *[(family, "ngram") for family in FAMILIES],
 ]
 
@@ -124,6 +127,21 @@ def test_speculation_is_lossless(checkpoints, tmp_path, family, method):
     outs = _greedy(path, specs[method], prompts)
     assert [o.token_ids for o in outs] == [_hf_greedy(hf, p) for p in prompts]
     assert sum(o.num_draft_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("layout", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_deepseek_mtp_with_parallel_ranks(checkpoints, tmp_path, layout):
+    """The MTP head on the last pipeline stage (or on every TP rank), lossless."""
+    path, hf = checkpoints["deepseek_v3"]
+    spec = {
+        **write_all(str(tmp_path / "drafts"), path)["mtp_deepseek"],
+        "num_speculative_tokens": 2,
+    }
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(path, speculative_config=spec, **{**ENGINE, layout: 2}) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p) for p in PROMPTS]
+    assert sum(o.outputs[0].num_draft_tokens for o in outs) > 0
 
 
 def test_expert_paths_agree():

@@ -193,5 +193,4 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def checkpoint_shard(self, name: str) -> tuple[str, object] | None:
-        return expert_checkpoint_shard(name)
+    checkpoint_shard = staticmethod(expert_checkpoint_shard)  # experts into w13 / w2

@@ -1,9 +1,10 @@
-"""Multi-token-prediction heads on Llama blocks (dense MLPs), read from the target checkpoint.
+"""Multi-token-prediction heads, read from the target checkpoint.
 
 - DeepSeek style (`model.layers.{L+i}.{enorm,hnorm,eh_proj,shared_head.norm}` plus the
-  block's own weights): `eh_proj(concat(enorm(embed), hnorm(hidden)))`, one block, returns
-  `residual + hidden`; logits through that layer's `shared_head` (its norm, then the
-  target's LM head).
+  weights of one decoder layer of the target's architecture: MLA + MoE for DeepSeek-V3,
+  a Llama block otherwise): `eh_proj(concat(enorm(embed), hnorm(hidden)))`, the block,
+  returns `residual + hidden`; logits through that layer's `shared_head` (its norm, then
+  the target's LM head).
 - Qwen3-Next style (`mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,layers.i,norm}`):
   `fc(concat(norm_e(embed), norm_h(hidden)))`, one layer, the final norm; one tensor out.
 Pass `step` uses MTP layer `step % num_mtp_layers`. Embedding and LM head are always
@@ -20,7 +21,7 @@ from torch import nn
 
 from cluster.models.draft_base import DraftModel
 from cluster.models.layers import RMSNorm
-from cluster.models.llama import LlamaDecoderLayer
+from cluster.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from cluster.parallel import ColumnParallelLinear, ParallelState, ReplicatedLinear
 
 
@@ -33,6 +34,17 @@ def count_mtp_layers(tensor_names: set[str], num_target_layers: int, style: str)
     return len({int(m.group(1)) for n in tensor_names if (m := pattern.match(n))})
 
 
+def _target_family(config: Any) -> type[nn.Module]:
+    """The target model class whose decoder layer an MTP block is (Llama's when the
+    config names no served architecture)."""
+    from cluster.models.registry import model_class_for
+
+    try:
+        return model_class_for(config)
+    except ValueError:
+        return LlamaForCausalLM
+
+
 class DeepSeekMTPLayer(nn.Module):
     def __init__(
         self, config: Any, layer_idx: int, state: ParallelState, dtype: torch.dtype
@@ -42,7 +54,8 @@ class DeepSeekMTPLayer(nn.Module):
         self.enorm = RMSNorm(hidden, eps, dtype)
         self.hnorm = RMSNorm(hidden, eps, dtype)
         self.eh_proj = ReplicatedLinear(2 * hidden, hidden, state, dtype=dtype)
-        self.mtp_block = LlamaDecoderLayer(config, layer_idx, state, dtype)
+        # the target's own block: DeepSeek-V3's is MLA + MoE
+        self.mtp_block = _target_family(config).decoder_layer_cls(config, layer_idx, state, dtype)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(hidden, eps, dtype)
 
@@ -53,6 +66,9 @@ class DeepSeekMTP(DraftModel):
     ) -> None:
         self.num_attention_layers = count_mtp_layers(tensor_names, self.first_layer_idx, "deepseek")
         self.num_step_kinds = self.num_attention_layers
+        family = _target_family(config)
+        self.packed_modules_mapping = family.packed_modules_mapping
+        self.checkpoint_shard = getattr(family, "checkpoint_shard", None)
         self.model = nn.Module()
         self.model.layers = nn.ModuleDict(
             {
@@ -69,8 +85,8 @@ class DeepSeekMTP(DraftModel):
         if m is None or int(m.group(1)) < self.first_layer_idx:
             return None  # the target's own tensors
         rest = m.group(2)
-        if rest.startswith("shared_head.head."):
-            return None  # the head is the target's LM head
+        if rest.startswith(("shared_head.head.", "embed_tokens.")):
+            return None  # the target's LM head and embedding (DeepSeek stores copies)
         own = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
         if not rest.startswith(own):
             rest = "mtp_block." + rest

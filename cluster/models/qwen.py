@@ -67,6 +67,4 @@ class MistralForCausalLM(LlamaForCausalLM):
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     decoder_layer_cls = Qwen3MoeDecoderLayer
 
-    def checkpoint_shard(self, name: str) -> tuple[str, object] | None:
-        """An expert's tensor -> (its stacked parameter, shard id); None otherwise."""
-        return expert_checkpoint_shard(name)
+    checkpoint_shard = staticmethod(expert_checkpoint_shard)  # experts into w13 / w2

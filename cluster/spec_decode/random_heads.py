@@ -7,17 +7,19 @@ EAGLE (`fc.weight`, `layers.N.*`), the normalised-fusion EAGLE (`enorm`, `hnorm`
 `eh_proj`, `layers.0.*`, `norm`), EAGLE-3 (`fc.weight` [H, 3H], `midlayer.*`, `norm`,
 `lm_head` over `draft_vocab_size`, `d2t`, `t2d`), MTP heads inside a copy of the target
 checkpoint (DeepSeek: `model.layers.{L+i}.{enorm,hnorm,eh_proj,shared_head.*}` plus the
-block; Qwen3-Next: `mtp.*`), and a separate small draft LM.
+block, a perturbed copy of the target's last layer unless the target is Llama;
+Qwen3-Next: `mtp.*`), and a separate small draft LM.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 
 def _cfg(target_path: str) -> dict[str, Any]:
@@ -143,9 +145,23 @@ def _with_target(
     return _write(path, extra, {**_cfg(target_path), **config_update}, name="mtp.safetensors")
 
 
+def _target_block(target_path: str, layer: int, prefix: str, g: torch.Generator) -> dict:
+    """The target's decoder layer `layer`, slightly perturbed, under `prefix`: a block of
+    the target's own architecture (DeepSeek-V3's MTP block is MLA + MoE)."""
+    source = f"model.layers.{layer}."
+    block = {}
+    for file in sorted(glob.glob(os.path.join(target_path, "*.safetensors"))):
+        for name, t in load_file(file).items():
+            if name.startswith(source):
+                noise = 0.01 * torch.randn(t.shape, generator=g) if t.is_floating_point() else 0
+                block[prefix + name[len(source) :]] = t + noise
+    return block
+
+
 def write_deepseek_mtp(path: str, target_path: str, num_layers: int = 2, seed: int = 0) -> str:
     cfg, g = _cfg(target_path), torch.Generator().manual_seed(seed)
     h, first = cfg["hidden_size"], cfg["num_hidden_layers"]
+    llama = cfg.get("architectures") == ["LlamaForCausalLM"]
     extra: dict[str, torch.Tensor] = {}
     for i in range(first, first + num_layers):
         p = f"model.layers.{i}."
@@ -154,7 +170,7 @@ def write_deepseek_mtp(path: str, target_path: str, num_layers: int = 2, seed: i
             p + "hnorm.weight": _norm(h, g),
             p + "eh_proj.weight": torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5,
             p + "shared_head.norm.weight": _norm(h, g),
-            **_layer(p, cfg, g),
+            **(_layer(p, cfg, g) if llama else _target_block(target_path, first - 1, p, g)),
         }
     return _with_target(path, target_path, extra, {"num_nextn_predict_layers": num_layers})
 
