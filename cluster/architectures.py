@@ -80,6 +80,14 @@ def check_target_config(hf_config: Any, tensor_parallel_size: int, max_model_len
             f"does not implement; set model.max_model_len <= {window} (within the window "
             "attention is exact)"
         )
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant is not None:
+        quant = quant if isinstance(quant, dict) else quant.to_dict()
+        if quant.get("quant_method") != "fp8":
+            raise ValueError(
+                f"quantization_config.quant_method={quant.get('quant_method')!r} is not "
+                "supported (only 'fp8' with block scales, dequantised at load)"
+            )
     tp = tensor_parallel_size
     num_heads = int(hf_config.num_attention_heads)
     num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)

@@ -6,10 +6,12 @@ exactly are refused when the configuration is built."""
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
 from forward_helpers import prefill
+from safetensors.torch import load_file, save_file
 from tiny_models import FAMILIES, hf_logits, make_tiny_family
 from tp_workers import model_logits, spawn_ranks
 from transformers import AutoTokenizer
@@ -142,6 +144,70 @@ def test_deepseek_mtp_with_parallel_ranks(checkpoints, tmp_path, layout):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p) for p in PROMPTS]
     assert sum(o.outputs[0].num_draft_tokens for o in outs) > 0
+
+
+def _quantize_fp8(weight, block):
+    """(float8 weight, float32 scale per block) as DeepSeek's checkpoints store them."""
+    rows, cols = weight.shape
+    scales = torch.zeros(-(-rows // block), -(-cols // block))
+    quantized = torch.zeros(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            part = weight[i * block : (i + 1) * block, j * block : (j + 1) * block]
+            scales[i, j] = part.abs().max() / 448.0
+            quantized[i * block : (i + 1) * block, j * block : (j + 1) * block] = (
+                part / scales[i, j]
+            ).to(torch.float8_e4m3fn)
+    return quantized, scales
+
+
+def test_fp8_block_scaled_checkpoint_loads_dequantised(checkpoints, tmp_path):
+    """A DeepSeek-V3 checkpoint with FP8 projection weights and `weight_scale_inv`
+    blocks: the loaded weights are the blocks times their scales, and the logits equal
+    transformers' on those dequantised weights."""
+    path, hf = checkpoints["deepseek_v3"]
+    block = 16
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    out, dequantised = {}, {}
+    for name, t in tensors.items():
+        if t.dim() == 2 and ("proj" in name or "experts" in name):
+            q, scales = _quantize_fp8(t, block)
+            out[name], out[name.replace(".weight", ".weight_scale_inv")] = q, scales
+            # reference: each element times its block's scale
+            rows = torch.arange(t.shape[0])[:, None] // block
+            cols = torch.arange(t.shape[1])[None, :] // block
+            dequantised[name] = q.float() * scales[rows, cols]
+        else:
+            out[name] = dequantised[name] = t
+    folder = tmp_path / "fp8"
+    shutil.copytree(path, folder)
+    save_file(out, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "weight_block_size": [block, block],
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    model = load_model(
+        ModelConfig(path=str(folder), dtype="float32"), ParallelState.single(), False
+    )
+    kv_b = "model.layers.2.self_attn.kv_b_proj.weight"
+    assert torch.equal(dict(model.named_parameters())[kv_b], dequantised[kv_b])
+    plain = tmp_path / "dequantised"  # transformers reads the same weights unquantised
+    shutil.copytree(path, plain)
+    save_file(dequantised, plain / "model.safetensors")
+    reference = type(hf).from_pretrained(str(plain), dtype=torch.float32).eval()
+    seqs = _batch(hf.config.vocab_size, seed=4)
+    with torch.no_grad():
+        logits = model.compute_logits(prefill(model, torch.cat(seqs), SEQ_LENS))
+    for ours, ref in zip(logits.split(SEQ_LENS), hf_logits(reference, seqs), strict=True):
+        assert (ours - ref).abs().max().item() < TOL
+    with pytest.raises(ValueError, match="quant_method='awq' is not supported"):
+        config["quantization_config"] = {"quant_method": "awq"}
+        (folder / "config.json").write_text(json.dumps(config))
+        engine_config_from_args(str(folder), max_model_len=128)
 
 
 def test_expert_paths_agree():

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from cluster.checkpoints import checkpoint_tensor_shapes, iterate_tensors
 from cluster.config import ModelConfig
 from cluster.models.draft_base import DraftModel
+from cluster.models.fp8 import block_size_of, dequantizing
 from cluster.models.registry import draft_class_for, model_class_for
 from cluster.parallel import ParallelState
 from cluster.parallel.weights import LazyTensor, default_weight_loader
@@ -54,6 +55,9 @@ def load_weights(
     loaded: dict[str, set[object]] = {}  # parameter -> shard ids filled (None: whole)
     with ExitStack() as stack:
         tensors = list(iterate_checkpoint(path, stack))
+        block = block_size_of(getattr(model, "config", None))
+        if block is not None:  # FP8 weights with block scales, read dequantised
+            tensors = dequantizing(tensors, block)
         for tensor in tqdm(tensors, desc="Loading weights", disable=not show_progress):
             if tied and tensor.name == "lm_head.weight":
                 continue
