@@ -24,6 +24,7 @@ from cluster.models.moe import experts_by_expert, experts_by_token
 from cluster.models.registry import supported_architectures
 from cluster.parallel import ParallelState
 from cluster.spec_decode.random_heads import write_all
+from cluster.worker.kv_cache import PagedKVCache
 
 TOL = 1e-4
 SEQ_LENS = [1, 7, 19, 4]
@@ -208,6 +209,18 @@ def test_fp8_block_scaled_checkpoint_loads_dequantised(checkpoints, tmp_path):
         config["quantization_config"] = {"quant_method": "awq"}
         (folder / "config.json").write_text(json.dumps(config))
         engine_config_from_args(str(folder), max_model_len=128)
+
+
+def test_mla_cache_holds_each_latent_once(checkpoints):
+    """One KV 'head' of kv_lora_rank + rope dims per MLA layer, its values the keys'
+    tensor: the cache is sized for it once."""
+    path, _ = checkpoints["deepseek_v3"]
+    with LLM(path, **ENGINE) as llm:
+        cache = llm.engine.core.executor.worker.runner.kv_cache
+        assert all(v is k for k, v in zip(cache.k, cache.v, strict=True))
+        assert [tuple(k.shape[2:]) for k in cache.k] == [(1, 32 + 8)] * 3
+        shapes = [(1, 40, True)] * 3
+        assert PagedKVCache.bytes_per_block(shapes, 4, torch.float32) == 3 * 4 * 40 * 4
 
 
 def test_expert_paths_agree():

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -41,6 +41,15 @@ class KVCache(Protocol):
     ) -> torch.Tensor: ...
 
 
+class KVShape(NamedTuple):
+    """One attention layer's slice of the KV cache on this rank."""
+
+    num_kv_heads: int
+    head_dim: int
+    # MLA: the values are the keys' vectors (latents), so the cache stores them once.
+    values_are_keys: bool = False
+
+
 @runtime_checkable
 class AttentionLayer(Protocol):
     """A module whose keys and values live in the engine's KV cache: the worker sizes one
@@ -49,9 +58,7 @@ class AttentionLayer(Protocol):
     layer_idx: int
 
     @property
-    def kv_shape(self) -> tuple[int, int]:
-        """(KV heads on this rank, head_dim)."""
-        ...
+    def kv_shape(self) -> KVShape: ...
 
 
 @dataclass

@@ -4,12 +4,12 @@ and MoE layers with shared experts and grouped top-k routing, on the Llama decod
 MLA. Each token's keys and values come from one compressed latent `c_kv`
 ([kv_lora_rank], after `kv_a_layernorm`) plus one rope key `k_rot` ([qk_rope_head_dim])
 shared by all heads. The paged cache holds exactly that, `[c_kv, k_rot]` as a single KV
-head, and attention runs in the latent ("absorbed") form: each head's query no-rope part
+head stored once, and attention runs in the latent ("absorbed") form: each head's query no-rope part
 is multiplied into the latent space by its slice of `kv_b_proj` (W_UK), the scores are
 `[q_latent, q_rot] . [c_kv, k_rot]`, and the weighted sum of latents goes back out
 through W_UV. This is transformers' computation reassociated, not approximated. The
-cache's value tensor holds the same vectors as its key tensor (the attention op takes
-both); only the first `kv_lora_rank` columns of its output are used.
+values are the keys' vectors (the cache's value tensor is its key tensor,
+`KVShape.values_are_keys`); only the first `kv_lora_rank` columns of the output are used.
 
 Tensor parallelism splits the heads (q_b_proj / q_proj, kv_b_proj columns, o_proj rows)
 and every expert's intermediate dimension; the latent projections are replicated.
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.models.attention import attention
+from cluster.models.attention import KVShape, attention
 from cluster.models.layers import RMSNorm, Rope, RotaryEmbedding, apply_rope, rope_parameters
 from cluster.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from cluster.models.moe import SparseMoeBlock, expert_checkpoint_shard
@@ -101,8 +101,8 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(config)
 
     @property
-    def kv_shape(self) -> tuple[int, int]:  # an `AttentionLayer`: one latent "head"
-        return 1, self.kv_lora_rank + self.rope_dim
+    def kv_shape(self) -> KVShape:  # an `AttentionLayer`: one latent "head", stored once
+        return KVShape(1, self.kv_lora_rank + self.rope_dim, values_are_keys=True)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         return self.rotary_emb.cos_sin(positions, dtype)

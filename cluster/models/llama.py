@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from cluster.models.attention import attention
+from cluster.models.attention import KVShape, attention
 from cluster.models.layers import (
     RMSNorm,
     Rope,
@@ -85,8 +85,8 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     @property
-    def kv_shape(self) -> tuple[int, int]:  # an `AttentionLayer`
-        return self.qkv_proj.num_kv_heads, self.qkv_proj.head_dim
+    def kv_shape(self) -> KVShape:  # an `AttentionLayer`
+        return KVShape(self.qkv_proj.num_kv_heads, self.qkv_proj.head_dim)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         return self.rotary_emb.cos_sin(positions, dtype)

@@ -19,9 +19,9 @@ from cluster.kernels.paged_attention import (
     write_kv,
     write_kv_ref,
 )
-from cluster.models.attention import AttentionMetadata
+from cluster.models.attention import AttentionMetadata, KVShape
 
-LayerShape = tuple[int, int]  # (num_kv_heads, head_dim) of one attention layer
+LayerShape = KVShape | tuple[int, int]  # (num_kv_heads, head_dim[, values_are_keys])
 
 
 class PagedKVCache:
@@ -40,15 +40,25 @@ class PagedKVCache:
         # A later pipeline stage's first layer: layer `first_layer_idx + i` uses tensor i.
         self.first_layer_idx = first_layer_idx
         self.backend = backend
-        shapes = [(num_blocks, block_size, heads, dim) for heads, dim in layer_shapes]
-        self.k = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
-        self.v = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
+        self.k, self.v = [], []
+        for shape in map(_kv_shape, layer_shapes):
+            size = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+            self.k.append(torch.zeros(size, dtype=dtype, device=device))
+            # (MLA: the same tensor; a step writes the same vectors to both)
+            self.v.append(self.k[-1] if shape.values_are_keys else torch.zeros_like(self.k[-1]))
         # The kernels are chosen once: "auto" is Triton on CUDA, torch elsewhere.
         self.use_triton = use_triton(backend, torch.device(device))
 
     @staticmethod
     def bytes_per_block(layer_shapes: list[LayerShape], block_size: int, dtype: torch.dtype) -> int:
-        return sum(2 * block_size * heads * dim * dtype.itemsize for heads, dim in layer_shapes)
+        return sum(
+            (1 if s.values_are_keys else 2)
+            * block_size
+            * s.num_kv_heads
+            * s.head_dim
+            * dtype.itemsize
+            for s in map(_kv_shape, layer_shapes)
+        )
 
     def attend(
         self,
@@ -84,3 +94,7 @@ class PagedKVCache:
         return paged_attention_ref(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, plan
         )
+
+
+def _kv_shape(shape: LayerShape) -> KVShape:
+    return shape if isinstance(shape, KVShape) else KVShape(*shape)
