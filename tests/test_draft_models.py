@@ -263,9 +263,54 @@ class SteeredProposer:
         return type(real)(steered, [None] * len(steered))
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_drafts_after_partial_acceptance_equal_a_recompute(setup, kind):
+@torch.no_grad()
+def _mtp_reference_drafts(draft, hf, history, k):
+    """A multi-layer MTP head without a KV cache (k <= its layers): pass s runs layer s
+    over positions 0..L+s, position q taking the token after q and pass s - 1's output
+    at q - 1 (at 0 for q = 0; the target's feature at q for pass 0)."""
+    states = hf(torch.tensor([history[:-1]]), output_hidden_states=True).hidden_states
+    hidden = draft.combine_target_hidden(states[-1][0])  # [L + 1, H]
+    tokens, drafts = history[1:], []
+    for step in range(k):
+        logits_hidden, out = draft_prefill(draft, torch.tensor(tokens), hidden, step)
+        drafts.append(int(draft.compute_logits(logits_hidden[-1:], step).argmax()))
+        tokens = [*tokens, drafts[-1]]
+        hidden = torch.cat([out[:1], out])  # position q reads q - 1 (0 reads 0)
+    return drafts
+
+
+def test_multi_layer_mtp_drafts_equal_a_recompute_after_prefill(setup):
     target, hf, specs = setup
+    with LLM(
+        target,
+        dtype="float32",
+        max_model_len=64,
+        num_kv_blocks=32,
+        block_size=4,
+        speculative_config={**specs["mtp_deepseek"], "num_speculative_tokens": 2},
+    ) as llm:
+        worker = llm.engine.core.executor.worker
+        recorder = Recorder(worker.runner.proposer)
+        worker.runner.proposer = recorder
+        out = llm.generate(
+            {"prompt_token_ids": PROMPT},
+            SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+            use_tqdm=False,
+        )
+        draft = worker.draft_head
+    assert draft.num_attention_layers == 2
+    drafts = recorder.calls[0][1].token_ids[0]
+    history = [*PROMPT, out[0].outputs[0].token_ids[0]]
+    assert drafts == _mtp_reference_drafts(draft, hf, history, 2)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp_deepseek"])
+def test_drafts_after_partial_acceptance_equal_a_recompute(setup, kind):
+    """Steps accept 0..k drafts, prompts come in chunks; the drafts always equal a
+    recompute (for the 2-layer MTP head: every layer's KV at every position, the first
+    row of a step reading what the step before kept)."""
+    target, hf, specs = setup
+    k = 2 if kind.startswith("mtp") else K
     prompts = [PROMPT, list(range(30, 52))]
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     engine = dict(
@@ -279,13 +324,13 @@ def test_drafts_after_partial_acceptance_equal_a_recompute(setup, kind):
             )
         ]
     with LLM(
-        target, speculative_config={**specs[kind], "num_speculative_tokens": K}, **engine
+        target, speculative_config={**specs[kind], "num_speculative_tokens": k}, **engine
     ) as llm:
         worker = llm.engine.core.executor.worker
         steered = SteeredProposer(
             worker.runner.proposer,
             {tuple(p): b for p, b in zip(prompts, base, strict=True)},
-            K,
+            k,
             hf.config.vocab_size,
         )
         worker.runner.proposer = steered
@@ -296,6 +341,12 @@ def test_drafts_after_partial_acceptance_equal_a_recompute(setup, kind):
     assert 0 < accepted[0] < 1 and accepted[-1] > 0  # steps accepted some, none and all drafts
     aux = getattr(draft, "aux_layers", None)
     for history, real in steered.calls:
+        if kind.startswith("mtp"):
+            assert real == _mtp_reference_drafts(draft, hf, history, len(real)), (
+                len(history),
+                steered.calls.index((history, real)),
+            )
+            continue
         with torch.no_grad():
             states = hf(torch.tensor([history[:-1]]), output_hidden_states=True).hidden_states
             features = torch.cat([states[i][0] for i in aux], -1) if aux else states[-1][0]

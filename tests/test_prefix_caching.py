@@ -154,9 +154,9 @@ def test_cached_prefixes_keep_speculation_exact(target, baseline, method):
     assert hit_rate > 0.5
     assert [o.token_ids for o in cached] == [o.token_ids for o in fresh] == baseline
     if method == "mtp_deepseek":
-        # Its second MTP layer (drafts 2..k) never writes KV at verified positions, so
-        # what it reads there is whatever the block held before, cached or not: only the
-        # first draft of each step is defined (a gap of the multi-layer MTP drafter).
+        # Its second layer (draft 2) reads layer 1's output at the position before: the
+        # first position after a hit has none kept and reads its own instead, so only
+        # the first draft of each step is the same as without the cache.
         cached_drafts = [[d[:1] for d in r] for r in cached_drafts]
         fresh_drafts = [[d[:1] for d in r] for r in fresh_drafts]
     assert cached_drafts == fresh_drafts

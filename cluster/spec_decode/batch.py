@@ -4,7 +4,7 @@ it (`Proposer`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -42,6 +42,10 @@ class ProposalBatch:
     # Drafts wanted per request (adaptive speculation; at most the proposer's k). With 0,
     # a draft with its own KV still reads this step's tokens, so it can resume later.
     num_drafts: int | None = None
+    # [batch] request ids, and the requests finished or preempted since the last step (a
+    # proposer that keeps state per request drops theirs)
+    req_ids: list[str] = field(default_factory=list)
+    freed_req_ids: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -53,6 +53,9 @@ class EagleProposer:
         self.block_size = block_size
         self.k = num_speculative_tokens
         self.sample = sample
+        # request id -> (position, [layer j's output there for j < n - 1]): what the
+        # next step's first row of a multi-layer head reads (`_write_later_layers`)
+        self._carry: dict[str, tuple[int, list[torch.Tensor]]] = {}
         # The draft's forward per kind of pass (an MTP head with several layers uses layer
         # `step % n` at pass `step`), compiled per token-count bucket when asked.
         self.forwards = []
@@ -97,6 +100,8 @@ class EagleProposer:
         hidden = self.draft.combine_target_hidden(batch.target_hidden[index])  # [m, H]
         with attention_context(meta):
             logits_hidden, next_hidden = self._forward(ids, hidden, meta.positions, 0)
+        if len(self.forwards) > 1:
+            self._write_later_layers(batch, ids, starts, meta, next_hidden)
 
         k = self.k if batch.num_drafts is None else min(self.k, batch.num_drafts)
         drafting = [i for i, s in enumerate(batch.sampled) if s and batch.num_valid[i]]
@@ -135,3 +140,44 @@ class EagleProposer:
         for j, i in enumerate(drafting):
             empty.token_ids[i], empty.probs[i] = drafts[j], draft_probs[j]
         return empty
+
+    def _write_later_layers(
+        self,
+        batch: ProposalBatch,
+        ids: torch.Tensor,  # [m] pass 0's shifted input ids
+        starts: list[int],  # [batch + 1] each request's rows
+        meta: AttentionMetadata,  # pass 0's
+        outputs: torch.Tensor,  # [m, H] layer 0's outputs
+    ) -> None:
+        """A head with n > 1 layers (MTP) runs layer s % n at pass s, and layer j at
+        position q reads the token after q and layer j - 1's output at q - 1 (DeepSeek's
+        depth j + 1 module; at position 0, the output at 0). Write each later layer's KV
+        at this step's valid positions from exactly those inputs: this step's rows, and
+        for a request's first row the output its previous step kept (`_carry`). Drafts
+        then read what a recompute would have written, as long as k <= n (with k > n,
+        pass n's layer 0 reads positions after the last verified one that no pass
+        wrote). The one exception: the first position after a prefix-cache hit, whose
+        previous output nobody kept, reads its own position's output instead."""
+        for req_id in batch.freed_req_ids:
+            self._carry.pop(req_id, None)
+        requests = [i for i in range(len(batch.req_ids)) if starts[i + 1] > starts[i]]
+        firsts = torch.tensor([starts[i] for i in requests], device=ids.device)
+        sources = torch.arange(ids.shape[0], device=ids.device) - 1  # row q reads row q - 1
+        sources[firsts] = firsts  # ... but a request's first row reads itself or its carry
+        per_layer = [outputs]
+        for layer in range(1, len(self.forwards)):
+            hidden = per_layer[-1][sources]
+            for i in requests:
+                carry = self._carry.get(batch.req_ids[i])
+                if carry is not None and carry[0] == batch.num_computed[i] - 1:
+                    hidden[starts[i]] = carry[1][layer - 1]
+            with attention_context(meta):
+                _, out = self._forward(ids, hidden, meta.positions, layer)
+            per_layer.append(out)
+        # Keep layers 0..n-2's outputs at each request's last valid row for its next step.
+        for i in requests:
+            last = starts[i + 1] - 1
+            self._carry[batch.req_ids[i]] = (
+                batch.num_computed[i] + batch.num_valid[i] - 1,
+                [out[last].clone() for out in per_layer[:-1]],
+            )

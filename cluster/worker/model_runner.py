@@ -337,6 +337,8 @@ class ModelRunner:
             num_blocks=[len(st.block_ids) for st in states],
             target_hidden=features,
             num_drafts=so.num_drafts,
+            req_ids=[s.req_id for s in scheduled],
+            freed_req_ids=list(so.freed_req_ids),
         )
         proposal = self.proposer.propose(batch)
         for st, probs in zip(states, proposal.probs, strict=True):
