@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 # How often a wait looks for worker processes that exited before Ray noticed.
 _LIVENESS_CHECK_S = 0.5
+# How long a failed step looks for a dead peer to blame before reporting its own error.
+_PEER_DEATH_WAIT_S = 1.0
 
 
 class RayExecutor(Executor):
@@ -162,6 +164,22 @@ class RayExecutor(Executor):
                 except Exception as e:
                     raise _worker_error(rank, e) from e
 
+    def _dead_peer(self, error: BaseException) -> BaseException:
+        """A rank whose step failed inside a collective (gloo: "connection reset") failed
+        because a peer died: the error that names the dead rank, when a rank's process
+        is found gone within `_PEER_DEATH_WAIT_S`; otherwise `error` itself."""
+        if not isinstance(error, RuntimeError) or "is dead" in str(error):
+            return error
+        deadline = time.monotonic() + _PEER_DEATH_WAIT_S
+        while True:
+            try:
+                self._raise_if_exited(list(range(len(self.workers))))
+            except RuntimeError as dead:
+                return dead
+            if time.monotonic() >= deadline:
+                return error
+            time.sleep(0.05)
+
     def _raise_if_exited(self, ranks: list[int]) -> None:
         """Raise if the process of any of `ranks` that runs on this node has exited."""
         if len(self.slots) != len(self.workers):  # not ranked yet
@@ -226,9 +244,12 @@ class RayExecutor(Executor):
                 replies = channel.wait(
                     submitted, self.step_timeout_s, _LIVENESS_CHECK_S, self._raise_if_failed
                 )
-            except BaseException:
+            except BaseException as e:
                 self._failed = True
-                raise
+                cause = self._dead_peer(e)
+                if cause is e:
+                    raise
+                raise cause from e
             return ModelRunnerOutput.decode(replies[self.output_rank])
 
         return wait
