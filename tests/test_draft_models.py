@@ -230,9 +230,10 @@ def test_proposer_runs_pass_s_with_step_s(setup):
             SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
             use_tqdm=False,
         )
-    # Pass s runs layer s % 2 (the forward depends on s only through that) and its head.
+    # Pass s runs layer s % 2 (the forward depends on s only through that) and its head;
+    # after pass 0, layer 1 writes its KV at the verified positions (`kinds[1]`).
     assert steps[:3] == [0, 1, 2]
-    assert kinds[:3] == [0, 1, 0]
+    assert kinds[:4] == [0, 1, 1, 0]
 
 
 class SteeredProposer:
