@@ -36,7 +36,7 @@ class Recorder:
         return proposal
 
 
-def _engine_drafts(target, spec):
+def _engine_drafts(target, spec, k=K):
     """Drafts proposed right after the prefill of PROMPT (greedy), and the sampled token."""
     with LLM(
         target,
@@ -44,7 +44,7 @@ def _engine_drafts(target, spec):
         max_model_len=64,
         num_kv_blocks=32,
         block_size=4,
-        speculative_config={**spec, "num_speculative_tokens": K},
+        speculative_config={**spec, "num_speculative_tokens": k},
     ) as llm:
         worker = llm.engine.core.executor.worker
         recorder = Recorder(worker.runner.proposer)
@@ -282,27 +282,9 @@ def _mtp_reference_drafts(draft, hf, history, k):
 
 def test_multi_layer_mtp_drafts_equal_a_recompute_after_prefill(setup):
     target, hf, specs = setup
-    with LLM(
-        target,
-        dtype="float32",
-        max_model_len=64,
-        num_kv_blocks=32,
-        block_size=4,
-        speculative_config={**specs["mtp_deepseek"], "num_speculative_tokens": 2},
-    ) as llm:
-        worker = llm.engine.core.executor.worker
-        recorder = Recorder(worker.runner.proposer)
-        worker.runner.proposer = recorder
-        out = llm.generate(
-            {"prompt_token_ids": PROMPT},
-            SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
-            use_tqdm=False,
-        )
-        draft = worker.draft_head
+    draft, first, drafts = _engine_drafts(target, specs["mtp_deepseek"], k=2)
     assert draft.num_attention_layers == 2
-    drafts = recorder.calls[0][1].token_ids[0]
-    history = [*PROMPT, out[0].outputs[0].token_ids[0]]
-    assert drafts == _mtp_reference_drafts(draft, hf, history, 2)
+    assert drafts == _mtp_reference_drafts(draft, hf, [*PROMPT, first], 2)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp_deepseek"])
