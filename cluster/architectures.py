@@ -17,7 +17,11 @@ TARGET_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
 )
+# Architectures with recurrent (linear-attention) layers: their per-request state cannot
+# be rebuilt from cached KV blocks, so they run without prefix caching.
+RECURRENT_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 # `rope_type`s whose frequencies `cluster.models.layers` computes (transformers' formulas).
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -31,6 +35,10 @@ def architecture_of(hf_config: Any) -> str:
     raise ValueError(
         f"architectures={names} are not supported (supported: {list(TARGET_ARCHITECTURES)})"
     )
+
+
+def has_recurrent_layers(hf_config: Any) -> bool:
+    return architecture_of(hf_config) in RECURRENT_ARCHITECTURES
 
 
 def rope_type_of(hf_config: Any) -> str:
@@ -98,8 +106,15 @@ def check_target_config(hf_config: Any, tensor_parallel_size: int, max_model_len
             f"num_key_value_heads={num_kv_heads} or be a multiple of it"
         )
     _divides(tp, int(hf_config.intermediate_size), "intermediate_size")
-    if arch in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"):
+    if arch in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "Qwen3NextForCausalLM"):
         _divides(tp, int(hf_config.moe_intermediate_size), "moe_intermediate_size")
+    if arch == "Qwen3NextForCausalLM":
+        for name in (
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "shared_expert_intermediate_size",
+        ):
+            _divides(tp, int(getattr(hf_config, name)), name)
     if arch == "DeepseekV3ForCausalLM" and int(hf_config.n_routed_experts) % int(hf_config.n_group):
         raise ValueError(
             f"n_routed_experts={hf_config.n_routed_experts} must be a multiple of "

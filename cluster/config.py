@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cluster.architectures import check_target_config
+from cluster.architectures import check_target_config, has_recurrent_layers
 from cluster.speculative_config import SpeculativeConfig
 
 DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
@@ -223,6 +223,12 @@ class EngineConfig(_Frozen):
     @property
     def compiles(self) -> bool:
         return self.compile.enabled(self.model.hf_config, self.parallel.world_size)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether cached KV blocks are reused: as configured, except for targets with
+        recurrent layers, whose per-request state no cached block holds."""
+        return self.cache.enable_prefix_caching and not has_recurrent_layers(self.model.hf_config)
 
     @model_validator(mode="after")
     def _check_against_model(self) -> EngineConfig:

@@ -102,7 +102,15 @@ def _greedy(path, spec=None, prompts=PROMPTS):
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen2", "qwen3_yarn_bias", "mistral", "qwen3_moe", "deepseek_v3_yarn_no_q_lora"]
+    "family",
+    [
+        "qwen2",
+        "qwen3_yarn_bias",
+        "mistral",
+        "qwen3_moe",
+        "deepseek_v3_yarn_no_q_lora",
+        "qwen3_next",
+    ],
 )
 def test_greedy_generation_equals_transformers(checkpoints, family):
     path, hf = checkpoints[family]
@@ -117,6 +125,7 @@ SPECULATION = [
     ("qwen3_moe", "eagle_norm_fusion"),
     ("deepseek_v3", "mtp_deepseek"),
     ("deepseek_v3_yarn_no_q_lora", "mtp_deepseek"),
+    ("qwen3_next", "mtp_qwen3_next"),
     *[(family, "ngram") for family in FAMILIES],
 ]
 

@@ -47,8 +47,10 @@ class EngineCore:
             )
         executor.initialize_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
+        if config.cache.enable_prefix_caching and not config.prefix_caching:
+            logger.info("prefix caching is off: the target has recurrent layers")
         self.block_manager = KVBlockManager(
-            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            num_blocks, config.cache.block_size, config.prefix_caching
         )
         spec = config.speculative
         # Drafts that run their own passes (all but n-gram) write KV ahead of the step.

@@ -69,6 +69,9 @@ class AttentionMetadata:
     kv_cache: KVCache | None = None
     slot_mapping: torch.Tensor | None = None  # [num_tokens] cache slot of each token (paged)
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] (paged)
+    # Recurrent layers' states for this step (`cluster.models.gated_delta.StepStates`);
+    # None: every sequence's recurrent state starts from zeros and is not kept.
+    recurrent: Any = None
     # Values derived from the fields above, computed once per step (see `cached`).
     derived: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -132,12 +135,18 @@ def attention_context(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
         _CURRENT_METADATA.reset(token)
 
 
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float
-) -> torch.Tensor:
+def current_metadata() -> AttentionMetadata:
+    """The metadata of the enclosing `attention_context`."""
     meta = _CURRENT_METADATA.get()
     if meta is None:
         raise RuntimeError("attention ran outside attention_context(meta)")
+    return meta
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    meta = current_metadata()
     n, num_rows = meta.num_tokens, q.shape[0]  # a compiled forward pads to its bucket
     if num_rows > n:
         q, k, v = q[:n], k[:n], v[:n]

@@ -163,6 +163,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]."""
+    """q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]. A rotation
+    narrower than the heads (partial rotary) turns their first dimensions only."""
     cos, sin = rope
+    dim = cos.shape[-1]
+    if dim < q.shape[-1]:
+        q_rot, k_rot = apply_rope(q[..., :dim], k[..., :dim], rope)
+        return torch.cat([q_rot, q[..., dim:]], -1), torch.cat([k_rot, k[..., dim:]], -1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -174,6 +174,7 @@ class LlamaModel(nn.Module):
         state: ParallelState,
         dtype: torch.dtype,
         layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer,
+        norm_cls: type[nn.Module] = RMSNorm,
     ) -> None:
         super().__init__()
         self.config = config
@@ -193,8 +194,19 @@ class LlamaModel(nn.Module):
             for i in range(num_layers)
         )
         self.norm = (
-            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if state.is_last_stage else None
+            norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
+            if state.is_last_stage
+            else None
         )
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope | None:
+        """The step's rotation, from this stage's first attention layer (None: the stage
+        has only recurrent layers)."""
+        for idx in range(self.start_layer, self.end_layer):
+            attn = getattr(self.layers[idx], "self_attn", None)
+            if attn is not None:
+                return attn.rope(positions, dtype)
+        return None
 
     def forward(
         self,
@@ -212,7 +224,7 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = intermediate.hidden, intermediate.residual
             aux = list(intermediate.aux)
-        rope = self.layers[self.start_layer].self_attn.rope(positions, hidden.dtype)
+        rope = self.rope(positions, hidden.dtype)
         for idx in range(self.start_layer, self.end_layer):
             if idx in aux_hidden_layers:
                 aux.append(hidden if residual is None else hidden + residual)
@@ -226,6 +238,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     decoder_layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+    norm_cls: ClassVar[type[nn.Module]] = RMSNorm  # the final norm's (and an MTP's norms)
     # The checkpoint tensor of the token embedding (a draft on the last stage may need it).
     embedding_checkpoint_name = "model.embed_tokens.weight"
 
@@ -246,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.state = state
-        self.model = LlamaModel(config, state, dtype, self.decoder_layer_cls)
+        self.model = LlamaModel(config, state, dtype, self.decoder_layer_cls, self.norm_cls)
         self.lm_head: ParallelLMHead | None = None
         if state.is_last_stage:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, state, dtype=dtype)

@@ -7,6 +7,8 @@
   the target's LM head).
 - Qwen3-Next style (`mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,layers.i,norm}`):
   `fc(concat(norm_e(embed), norm_h(hidden)))`, one layer, the final norm; one tensor out.
+  The layers and norms are the target family's: for Qwen3-Next a gated full-attention
+  layer with its MoE and zero-centred norms, Llama's otherwise.
 Pass `step` uses MTP layer `step % num_mtp_layers`. Embedding and LM head are always
 the target's.
 """
@@ -21,7 +23,7 @@ from torch import nn
 
 from cluster.models.draft_base import DraftModel
 from cluster.models.layers import RMSNorm
-from cluster.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from cluster.models.llama import LlamaForCausalLM
 from cluster.parallel import ColumnParallelLinear, ParallelState, ReplicatedLinear
 
 
@@ -122,13 +124,15 @@ class Qwen3NextMTPModule(nn.Module):
     ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.pre_fc_norm_embedding = RMSNorm(hidden, eps, dtype)
-        self.pre_fc_norm_hidden = RMSNorm(hidden, eps, dtype)
+        family = _target_family(config)
+        self.pre_fc_norm_embedding = family.norm_cls(hidden, eps, dtype)
+        self.pre_fc_norm_hidden = family.norm_cls(hidden, eps, dtype)
         self.fc = ColumnParallelLinear(2 * hidden, hidden, state, gather_output=True, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, first_layer_idx + i, state, dtype) for i in range(num_layers)
+            family.decoder_layer_cls(config, first_layer_idx + i, state, dtype)
+            for i in range(num_layers)
         )
-        self.norm = RMSNorm(hidden, eps, dtype)
+        self.norm = family.norm_cls(hidden, eps, dtype)
 
 
 class Qwen3NextMTP(DraftModel):
@@ -142,6 +146,9 @@ class Qwen3NextMTP(DraftModel):
         self.mtp = Qwen3NextMTPModule(
             config, self.first_layer_idx, self.num_attention_layers, state, dtype
         )
+        family = _target_family(config)
+        self.packed_modules_mapping = family.packed_modules_mapping
+        self.checkpoint_shard = getattr(family, "checkpoint_shard", None)
         self.embed_tokens = self.lm_head = None  # always the target's
 
     def map_checkpoint_name(self, name: str) -> str | None:

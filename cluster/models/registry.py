@@ -15,6 +15,7 @@ from cluster.models.qwen import (
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
 )
+from cluster.models.qwen3_next import Qwen3NextForCausalLM
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
@@ -23,6 +24,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 

@@ -185,8 +185,30 @@ def write_qwen3_next_mtp(path: str, target_path: str, num_layers: int = 1, seed:
         "mtp.norm.weight": _norm(h, g),
     }
     for i in range(num_layers):
-        extra |= _layer(f"mtp.layers.{i}.", cfg, g)
+        prefix = f"mtp.layers.{i}."
+        if cfg.get("architectures") == ["Qwen3NextForCausalLM"]:
+            # a gated full-attention layer with the target's MLP kind (MoE or dense)
+            extra |= _target_block(target_path, _qwen3_next_template(cfg, i), prefix, g)
+        else:
+            extra |= _layer(prefix, cfg, g)
     return _with_target(path, target_path, extra, {"num_nextn_predict_layers": num_layers})
+
+
+def _qwen3_next_template(cfg: dict[str, Any], mtp_index: int) -> int:
+    """A full-attention target layer whose MLP is of the kind MTP layer `mtp_index` has
+    (MoE unless `mlp_only_layers` / `decoder_sparse_step` say dense; MTP layers count
+    from 0)."""
+
+    def sparse(i: int) -> bool:
+        return (
+            i not in (cfg.get("mlp_only_layers") or [])
+            and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0
+        )
+
+    for i in reversed(range(cfg["num_hidden_layers"])):
+        if cfg["layer_types"][i] == "full_attention" and sparse(i) == sparse(mtp_index):
+            return i
+    raise ValueError("the target has no full-attention layer to base an MTP layer on")
 
 
 def write_draft_lm(path: str, target_path: str, seed: int = 0) -> str:

@@ -22,12 +22,14 @@ from cluster.kernels.paged_attention import (
 from cluster.models.attention import AttentionMetadata, KVShape
 
 LayerShape = KVShape | tuple[int, int]  # (num_kv_heads, head_dim[, values_are_keys])
+# Layer index -> shape; a list numbers its layers from `first_layer_idx` on.
+LayerShapes = dict[int, LayerShape] | list[LayerShape]
 
 
 class PagedKVCache:
     def __init__(
         self,
-        layer_shapes: list[LayerShape],
+        layer_shapes: LayerShapes,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
@@ -37,11 +39,12 @@ class PagedKVCache:
     ) -> None:
         self.block_size = block_size
         self.dtype = dtype
-        # A later pipeline stage's first layer: layer `first_layer_idx + i` uses tensor i.
-        self.first_layer_idx = first_layer_idx
+        shapes = _by_layer(layer_shapes, first_layer_idx)
+        # Attention layers need not be consecutive (hybrid models interleave recurrent ones).
+        self.index = {layer_idx: i for i, layer_idx in enumerate(shapes)}
         self.backend = backend
         self.k, self.v = [], []
-        for shape in map(_kv_shape, layer_shapes):
+        for shape in shapes.values():
             size = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
             self.k.append(torch.zeros(size, dtype=dtype, device=device))
             # (MLA: the same tensor; a step writes the same vectors to both)
@@ -50,14 +53,14 @@ class PagedKVCache:
         self.use_triton = use_triton(backend, torch.device(device))
 
     @staticmethod
-    def bytes_per_block(layer_shapes: list[LayerShape], block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(layer_shapes: LayerShapes, block_size: int, dtype: torch.dtype) -> int:
         return sum(
             (1 if s.values_are_keys else 2)
             * block_size
             * s.num_kv_heads
             * s.head_dim
             * dtype.itemsize
-            for s in map(_kv_shape, layer_shapes)
+            for s in _by_layer(layer_shapes, 0).values()
         )
 
     def attend(
@@ -71,7 +74,7 @@ class PagedKVCache:
     ) -> torch.Tensor:
         if meta.slot_mapping is None or meta.block_tables is None:
             raise ValueError("PagedKVCache needs AttentionMetadata.slot_mapping and block_tables")
-        index = layer_idx - self.first_layer_idx
+        index = self.index[layer_idx]
         k_cache, v_cache = self.k[index], self.v[index]
         if self.use_triton:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend="triton")
@@ -96,5 +99,7 @@ class PagedKVCache:
         )
 
 
-def _kv_shape(shape: LayerShape) -> KVShape:
-    return shape if isinstance(shape, KVShape) else KVShape(*shape)
+def _by_layer(shapes: LayerShapes, first_layer_idx: int) -> dict[int, KVShape]:
+    if isinstance(shapes, list):
+        shapes = {first_layer_idx + i: s for i, s in enumerate(shapes)}
+    return {i: s if isinstance(s, KVShape) else KVShape(*s) for i, s in sorted(shapes.items())}

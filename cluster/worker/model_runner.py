@@ -43,6 +43,7 @@ from cluster.sampling_params import SamplingParams
 from cluster.spec_decode.batch import ProposalBatch, Proposer
 from cluster.worker.input_batch import ModelInputs, prepare_inputs
 from cluster.worker.kv_cache import PagedKVCache
+from cluster.worker.state_cache import RecurrentStateCache
 
 # Prompt rows whose logits exist at once for prompt logprobs ([rows, vocab] float32).
 PROMPT_LOGITS_ROWS = 256
@@ -78,8 +79,10 @@ class ModelRunner:
         sampler_backend: str = "auto",
         state: ParallelState | None = None,
         compile_options: CompileOptions | None = None,
+        state_cache: RecurrentStateCache | None = None,
     ) -> None:
         self.model = model
+        self.state_cache = state_cache  # recurrent layers' per-request states, if any
         self.state = state or ParallelState.single(device)
         self.kv_cache = kv_cache
         self.device = device
@@ -131,8 +134,12 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.freed_req_ids:
             self.requests.pop(req_id, None)
+            if self.state_cache is not None:
+                self.state_cache.remove(req_id)
         for new in so.new_requests:
             self.requests[new.req_id] = self._new_state(new)
+            if self.state_cache is not None:
+                self.state_cache.add(new.req_id)
         for item in so.scheduled:
             self.requests[item.req_id].block_ids.extend(item.new_block_ids)
 
@@ -169,6 +176,9 @@ class ModelRunner:
         block_tables = {s.req_id: self.requests[s.req_id].block_ids for s in so.scheduled}
         inputs = prepare_inputs(so.scheduled, block_tables, self.kv_cache.block_size, self.device)
         inputs.meta.kv_cache = self.kv_cache
+        step_states = None
+        if self.state_cache is not None:
+            step_states = inputs.meta.recurrent = self.state_cache.begin_step(so.scheduled)
         stage_rows: list[torch.Tensor] = []
         if not self.state.is_first_stage:
             wait_start = time.perf_counter()
@@ -183,6 +193,8 @@ class ModelRunner:
             stage_rows = [intermediate.hidden, intermediate.residual, *intermediate.aux]
         with attention_context(inputs.meta):
             out = self.target_forward(inputs.input_ids, inputs.meta.positions, *stage_rows)
+        if step_states is not None:
+            self.state_cache.end_step(step_states)
         if not self.state.is_last_stage:
             send_start = time.perf_counter()
             out.send_to_next_stage(self.state)

@@ -20,6 +20,7 @@ from cluster.models.attention import AttentionLayer
 from cluster.models.compiled import CompileOptions
 from cluster.models.default_model import cache_dir
 from cluster.models.eagle3 import eagle3_aux_layers
+from cluster.models.gated_delta import RecurrentLayer, RecurrentShape
 from cluster.models.loader import load_draft_head, load_model
 from cluster.parallel import ParallelState, destroy_parallel_state, init_parallel_state
 from cluster.spec_decode.draft_model import DraftModelProposer
@@ -27,17 +28,21 @@ from cluster.spec_decode.eagle import EagleProposer
 from cluster.spec_decode.ngram import NgramProposer
 from cluster.worker.kv_cache import LayerShape, PagedKVCache
 from cluster.worker.model_runner import ModelRunner
+from cluster.worker.state_cache import RecurrentStateCache
 
 logger = logging.getLogger(__name__)
 
 
-def attention_layer_shapes(model: nn.Module) -> list[LayerShape]:
-    """(kv_heads on this rank, head_dim) of every attention layer, in layer-index order."""
-    shapes = {}
-    for module in model.modules():
-        if isinstance(module, AttentionLayer):
-            shapes[module.layer_idx] = module.kv_shape
-    return [shapes[i] for i in sorted(shapes)]
+def attention_layer_shapes(model: nn.Module) -> dict[int, LayerShape]:
+    """Layer index -> (kv_heads on this rank, head_dim) of every attention layer."""
+    return {m.layer_idx: m.kv_shape for m in model.modules() if isinstance(m, AttentionLayer)}
+
+
+def recurrent_layer_shapes(model: nn.Module) -> dict[int, RecurrentShape]:
+    """Layer index -> state shape of every recurrent (linear-attention) layer."""
+    return {
+        m.layer_idx: m.recurrent_shape for m in model.modules() if isinstance(m, RecurrentLayer)
+    }
 
 
 class Worker:
@@ -89,16 +94,24 @@ class Worker:
         """The one rank whose output goes back to the engine core."""
         return self.state.is_last_stage and self.state.tp_rank == 0
 
-    def _layer_shapes(self) -> tuple[list[LayerShape], list[LayerShape]]:
+    def _layer_shapes(self) -> tuple[dict[int, LayerShape], dict[int, LayerShape]]:
         """(target + draft-head layers, separate draft LM layers)."""
         shapes = attention_layer_shapes(self.model)
         if self.draft_head is not None:
-            shapes += attention_layer_shapes(self.draft_head)
-        draft_lm = attention_layer_shapes(self.draft_lm) if self.draft_lm is not None else []
+            shapes |= attention_layer_shapes(self.draft_head)
+        draft_lm = attention_layer_shapes(self.draft_lm) if self.draft_lm is not None else {}
         return shapes, draft_lm
 
+    def _state_cache_size(self) -> tuple[int, int]:
+        """(slots, snapshots per slot) of the recurrent state cache: one slot per request
+        the scheduler may run, and the states after each token a step may verify."""
+        spec = self.config.speculative
+        num_drafts = spec.num_speculative_tokens if spec is not None else 0
+        return self.config.scheduler.max_num_seqs, 1 + num_drafts
+
     def available_kv_blocks(self) -> int:
-        """How many KV blocks fit in the memory this rank may use for the cache."""
+        """How many KV blocks fit in the memory this rank may use for the cache (after the
+        recurrent states, which every running request holds whatever its length)."""
         cache, dtype = self.config.cache, self.config.model.torch_dtype
         per_block = sum(
             PagedKVCache.bytes_per_block(shapes, cache.block_size, dtype)
@@ -109,6 +122,9 @@ class Worker:
             budget = free - (1 - cache.gpu_memory_utilization) * total
         else:
             budget = cache.cpu_kv_cache_gib * 2**30
+        slots, snapshots = self._state_cache_size()
+        shapes = recurrent_layer_shapes(self.model)
+        budget -= slots * RecurrentStateCache.bytes_per_slot(shapes, snapshots, dtype)
         return max(0, int(budget // per_block))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -121,8 +137,12 @@ class Worker:
             block_size,
             dtype,
             device,
-            first_layer_idx=self.model.model.start_layer,
         )
+        state_cache = None
+        recurrent_shapes = recurrent_layer_shapes(self.model)
+        if recurrent_shapes:
+            slots, snapshots = self._state_cache_size()
+            state_cache = RecurrentStateCache(recurrent_shapes, slots, snapshots, dtype, device)
         spec = self.config.speculative
         compile_options = self._compile_options()
         proposer = None
@@ -145,6 +165,7 @@ class Worker:
             self.aux_hidden_layers,
             state=self.state,
             compile_options=compile_options,
+            state_cache=state_cache,
         )
         if compile_options is not None:
             seconds = self.runner.warm_up()
