@@ -6,6 +6,7 @@ import pytest
 import torch
 from forward_helpers import draft_prefill, prefill
 from safetensors.torch import load_file
+from steered_proposer import SteeredProposer
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
@@ -234,34 +235,6 @@ def test_proposer_runs_pass_s_with_step_s(setup):
     # after pass 0, layer 1 writes its KV at the verified positions (`kinds[1]`).
     assert steps[:3] == [0, 1, 2]
     assert kinds[:4] == [0, 1, 1, 0]
-
-
-class SteeredProposer:
-    """Runs the real proposer (so the draft's KV evolves as in production) but hands the
-    scheduler drafts that are the target's greedy continuation with a wrong token at a
-    varying position, so steps accept 0..k drafts. Records the real drafts."""
-
-    def __init__(self, inner, continuations, k, vocab):
-        self.inner, self.continuations, self.k, self.vocab = inner, continuations, k, vocab
-        self.needs_token_history = True
-        self.calls = []
-
-    def propose(self, batch):
-        real = self.inner.propose(batch)
-        steered = []
-        for i, history in enumerate(batch.token_history):
-            if not batch.sampled[i]:
-                steered.append([])
-                continue
-            prompt = next(p for p in self.continuations if tuple(history[: len(p)]) == p)
-            done = len(history) - len(prompt)
-            right = self.continuations[prompt][done : done + self.k]
-            wrong_at = len(self.calls) % (self.k + 1)
-            steered.append(
-                [t if j != wrong_at else (t + 1) % self.vocab for j, t in enumerate(right)]
-            )
-            self.calls.append((list(history), real.token_ids[i]))
-        return type(real)(steered, [None] * len(steered))
 
 
 @torch.no_grad()
