@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.architectures import RECURRENT_ARCHITECTURES
 from cluster.checkpoints import checkpoint_tensor_shapes
 
 Method = Literal["eagle", "eagle3", "mtp", "ngram", "draft_model"]
@@ -178,6 +179,13 @@ class SpeculativeConfig(BaseModel):
                     f"the draft expects target_hidden_size={draft['target_hidden_size']}, the "
                     f"target has {hidden}"
                 )
+        if kind == "draft_model" and set(draft.get("architectures") or []) & set(
+            RECURRENT_ARCHITECTURES
+        ):
+            raise ValueError(
+                f"the draft model {path!r} has recurrent layers; a draft LM must be "
+                "attention-only (its states are not kept per verified token)"
+            )
         if kind == "eagle3" and int(draft.get("draft_vocab_size") or vocab) > vocab:
             raise ValueError("the draft vocabulary is larger than the target's")
         if (

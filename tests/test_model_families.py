@@ -1,8 +1,9 @@
-"""Qwen2, Qwen3 (q/k norms, YaRN), Qwen3-MoE and Mistral targets equal transformers on
-tiny random checkpoints: logits (float32, < 1e-4) at TP=1 and TP=2 for a batch of
-different lengths, greedy generation token for token through the engine (chunked
-prefill, prefix caching), speculation lossless on them; configs the engine cannot serve
-exactly are refused when the configuration is built."""
+"""Qwen2, Qwen3 (q/k norms, YaRN), Qwen3-MoE, Mistral, DeepSeek-V3 and Qwen3-Next targets
+equal transformers on tiny random checkpoints: logits (float32, < 1e-4) at TP=1 and TP=2
+for a batch of different lengths and across prefill chunks, greedy generation token for
+token through the engine (chunked prefill, prefix caching), speculation lossless on them;
+configs the engine cannot serve exactly are refused when the configuration is built.
+(Qwen3-Next's recurrent state and MTP head: `test_qwen3_next.py`.)"""
 
 import json
 import os
@@ -81,6 +82,24 @@ ENGINE = dict(
 )
 PROMPTS = [[5, 9, 33, 71, 2, 18, 100, 41, 7, 7, 19], [200, 3, 4], [5, 9, 33, 71, 2, 18, 100]]
 NEW_TOKENS = 10
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
+def test_logits_across_prefill_chunks_equal_transformers(checkpoints, family):
+    """Every prompt position's logprob, computed in chunks of 8 tokens (the latent cache,
+    the recurrent states carried from chunk to chunk)."""
+    path, hf = checkpoints[family]
+    prompts = [list(range(3, 40)), PROMPTS[0]]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    with LLM(path, **ENGINE) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            reference = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        entries = zip(prompt[1:], out.prompt_logprobs[1:], strict=True)
+        ours = [entry[t].logprob for t, entry in entries]
+        expected = reference[torch.arange(len(prompt) - 1), prompt[1:]]
+        assert (torch.tensor(ours) - expected).abs().max() < TOL
 
 
 def _hf_greedy(hf, prompt):

@@ -263,3 +263,43 @@ def test_mtp_speculation_is_lossless(target, baseline, engine):
     assert sum(o.num_draft_tokens for o in outs) > 0
     if "num_kv_blocks" in engine:
         assert preemptions > 0
+
+
+@pytest.mark.slow
+def test_compiled_engine_equals_eager(target, baseline):
+    """Every bucket compiles with the recurrent op opaque, like attention; the MTP head's
+    forwards compile too."""
+    path, _, spec = target
+    with LLM(
+        path,
+        speculative_config={**spec, "num_speculative_tokens": 2},
+        compile="on",
+        compile_sizes=(1, 4),  # decode, and verification of 2 drafts (padded from 3)
+        compile_autotune=False,
+        **ENGINE,
+    ) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        runner = llm.engine.core.executor.worker.runner
+        compiled = [runner.target_forward, *runner.proposer.forwards]
+        assert all(f.ready and not f.failed and f.num_guard_misses == 0 for f in compiled)
+    assert [o.outputs[0].token_ids for o in outs] == baseline
+
+
+def test_recurrent_targets_refuse_what_they_cannot_keep(target, tmp_path):
+    """No prefix caching (logged, not an error: it is on by default), and no recurrent
+    draft LM."""
+    from cluster.config import engine_config_from_args
+
+    path, _, _ = target
+    config = engine_config_from_args(path, dtype="float32", max_model_len=64)
+    assert config.cache.enable_prefix_caching and not config.prefix_caching
+    with pytest.raises(ValueError, match="recurrent layers"):
+        engine_config_from_args(
+            path,
+            max_model_len=64,
+            speculative_config={
+                "method": "draft_model",
+                "model": path,
+                "num_speculative_tokens": 2,
+            },
+        )
