@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 from forward_helpers import prefill
+from mtp_oracle import make_oracle
 from safetensors.torch import load_file, save_file
 from tiny_models import FAMILIES, hf_logits, make_tiny_family
 from tp_workers import model_logits, spawn_ranks
@@ -24,7 +25,7 @@ from cluster.models.loader import load_model
 from cluster.models.moe import experts_by_expert, experts_by_token
 from cluster.models.registry import supported_architectures
 from cluster.parallel import ParallelState
-from cluster.spec_decode.random_heads import write_all
+from cluster.spec_decode.random_heads import write_all, write_deepseek_mtp
 from cluster.worker.kv_cache import PagedKVCache
 
 TOL = 1e-4
@@ -173,6 +174,21 @@ def test_deepseek_mtp_with_parallel_ranks(checkpoints, tmp_path, layout):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p) for p in PROMPTS]
     assert sum(o.outputs[0].num_draft_tokens for o in outs) > 0
+
+
+def test_oracle_deepseek_mtp_head_is_accepted_and_lossless(tmp_path, smollm2_path):
+    """Both MTP layers arranged to predict the target exactly (`mtp_oracle`): nearly
+    every draft of every pass is accepted, and the output is unchanged."""
+    path, mtp = str(tmp_path / "target"), str(tmp_path / "mtp")
+    make_tiny_family(path, "deepseek_v3", seed=6)
+    AutoTokenizer.from_pretrained(smollm2_path).save_pretrained(path)
+    write_deepseek_mtp(mtp, path, num_layers=2)
+    make_oracle(path, mtp, "deepseek", kept=2)  # the last of its 3 layers (an MoE one)
+    base = _greedy(path)
+    outs = _greedy(path, {"method": "mtp", "model": mtp})
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    drafted = sum(o.num_draft_tokens for o in outs)
+    assert drafted > 0 and sum(o.num_accepted_tokens for o in outs) / drafted > 0.95
 
 
 def _quantize_fp8(weight, block):

@@ -11,11 +11,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from mtp_oracle import make_oracle
 from steered_proposer import SteeredProposer
 from tiny_models import FAMILIES, make_tiny_family
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3_next
@@ -198,36 +196,8 @@ def test_states_after_partial_acceptance_equal_a_recompute(target, baseline):
 # ---- the MTP head ----------------------------------------------------------------------------
 
 
-def _oracle(path, mtp_path):
-    """Rewrite the target and its MTP head so the head predicts the target exactly: the
-    target's mixing layers and all MLPs but one full-attention layer's are silenced (its
-    next token depends only on the current token, through that MLP), embeddings have unit
-    RMS, and the MTP layer is that layer with `fc` passing the embedding through."""
-    file = os.path.join(path, "model.safetensors")
-    weights = load_file(file)
-    config = FAMILIES["qwen3_next"][1]
-    kept = max(i for i, t in enumerate(config["layer_types"]) if t == "full_attention")
-    for name, t in weights.items():
-        silenced = (
-            ("o_proj.", "out_proj.")
-            if f"layers.{kept}." in name
-            else ("o_proj.", "out_proj.", "down_proj.")
-        )
-        if any(piece in name for piece in silenced):
-            weights[name] = torch.zeros_like(t)
-    embed = weights["model.embed_tokens.weight"]
-    weights["model.embed_tokens.weight"] = embed / embed.pow(2).mean(-1, keepdim=True).sqrt()
-    save_file(weights, file)
-    mtp_file = os.path.join(mtp_path, "mtp.safetensors")
-    mtp = load_file(mtp_file)
-    hidden = embed.shape[1]
-    mtp["mtp.fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
-    mtp["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(hidden)  # (1 + 0): no scaling
-    mtp["mtp.norm.weight"] = weights["model.norm.weight"]
-    source = f"model.layers.{kept}."
-    for name in [n for n in mtp if n.startswith("mtp.layers.0.")]:
-        mtp[name] = weights[source + name[len("mtp.layers.0.") :]]
-    save_file(mtp, mtp_file)
+def hf_layer_types():
+    return FAMILIES["qwen3_next"][1]["layer_types"]
 
 
 def test_oracle_mtp_head_is_accepted_and_lossless(tmp_path, smollm2_path):
@@ -237,7 +207,8 @@ def test_oracle_mtp_head_is_accepted_and_lossless(tmp_path, smollm2_path):
     make_tiny_family(path, "qwen3_next", seed=5)
     AutoTokenizer.from_pretrained(smollm2_path).save_pretrained(path)
     write_qwen3_next_mtp(mtp, path, seed=1)  # (links the target's files; rewritten below)
-    _oracle(path, mtp)
+    kept = max(i for i, t in enumerate(hf_layer_types()) if t == "full_attention")
+    make_oracle(path, mtp, "qwen3_next", kept)
     base, _ = _generate(path)
     spec = {"method": "mtp", "model": mtp, "num_speculative_tokens": 3}
     outs, _ = _generate(path, spec)
