@@ -20,6 +20,7 @@ import torch
 
 from cluster.kernels.paged_attention import paged_attention_ref, write_kv_ref
 from cluster.kernels.paged_attention_triton import paged_attention_triton, write_kv_triton
+from cluster.spec_decode.tree import DraftTree
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ATOL = RTOL = 1e-5  # float32
@@ -211,3 +212,69 @@ def test_cuda_bf16_realistic_sizes():
     err = (got.float() - want).abs().max().item()
     ref_err = (want_bf16.float() - want).abs().max().item()
     assert err <= 2 * ref_err + 1e-2, (err, ref_err)
+
+
+def _tree_bits(batch: dict, trees: dict[int, DraftTree]) -> torch.Tensor:
+    """[num_tokens] int64: -1 (causal) except for the sequences holding a draft tree (by
+    their number of new tokens), whose rows get the tree's ancestor masks."""
+    bits = torch.full((batch["query_start_loc"][-1],), -1, dtype=torch.int64)
+    for start, end in pairwise(batch["query_start_loc"]):
+        tree = trees.get(end - start)
+        if tree is not None:
+            mask = tree.ancestor_mask()  # [n + 1, n + 1]
+            weights = 2 ** torch.arange(mask.shape[1], dtype=torch.int64)
+            bits[start:end] = (mask.long() * weights).sum(dim=1)
+    return bits.to(batch["q"].device)
+
+
+def _dense_tree_attention(batch: dict, bits: torch.Tensor) -> torch.Tensor:
+    """Every query over exactly the keys it may see, one by one (the test's own oracle)."""
+    q, out = batch["q"], torch.empty_like(batch["q"])
+    block_size, kv_heads = batch["k_cache"].shape[1], batch["k_cache"].shape[2]
+    group = q.shape[1] // kv_heads
+    for i, (start, end) in enumerate(pairwise(batch["query_start_loc"])):
+        seq_len, context = batch["seq_lens"][i], batch["seq_lens"][i] - (end - start)
+        pos = torch.arange(seq_len)
+        slots = batch["block_tables"][i, pos // block_size].long().cpu() * block_size
+        slots = (slots + pos % block_size).to(q.device)
+        keys = batch["k_cache"].flatten(0, 1)[slots].repeat_interleave(group, dim=1)
+        values = batch["v_cache"].flatten(0, 1)[slots].repeat_interleave(group, dim=1)
+        for j in range(end - start):
+            b = int(bits[start + j])
+            seen = [p for p in range(context + j + 1) if p < context or (b >> (p - context)) & 1]
+            scores = torch.einsum("hd,khd->hk", q[start + j], keys[seen]) * batch["scale"]
+            out[start + j] = torch.einsum("hk,khd->hd", scores.softmax(-1), values[seen])
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_tree_masks_match_a_dense_oracle(block_size):
+    """Two trees (8 and 4 new tokens: root + nodes) verified beside a long prefill chunk,
+    decodes and a 3-token chain; every query sees the context and its ancestors only."""
+    trees = {
+        8: DraftTree((5, 6, 7, 8, 9, 10, 11), (-1, -1, 0, 0, 1, 3, -1)),
+        4: DraftTree((1, 2, 3), (-1, -1, 1)),
+    }
+    gen = torch.Generator().manual_seed(7 + block_size)
+    sequences = [*SEQUENCES, (9, 8), (30, 4)]
+    batch = make_batch(gen, sequences, 4, 2, 16, block_size)
+    bits = _tree_bits(batch, trees)
+    want = _dense_tree_attention(batch, bits)
+    ref = paged_attention_ref(**batch, tree_bits=bits)
+    device = batch["q"].device
+    got = paged_attention_triton(
+        batch["q"],
+        batch["k_cache"],
+        batch["v_cache"],
+        batch["block_tables"],
+        torch.tensor(batch["seq_lens"], dtype=torch.int32, device=device),
+        torch.tensor(batch["query_start_loc"], dtype=torch.int32, device=device),
+        batch["scale"],
+        max_query_len=max(b - a for a, b in pairwise(batch["query_start_loc"])),
+        tree_bits=bits,
+    )
+    torch.testing.assert_close(ref, want, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    # the trees changed something: plain causal attention differs on their rows
+    causal = paged_attention_ref(**batch)
+    assert not torch.allclose(causal, want, atol=1e-3)

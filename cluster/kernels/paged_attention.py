@@ -9,6 +9,11 @@ Layout:
 New token j of sequence i sits at position `seq_lens[i] - q_len_i + j` and attends to every
 key at or before it. Grouped-query heads: query head h reads KV head `h // (H // KVH)`.
 
+Draft trees (`cluster.spec_decode.tree`): `tree_bits[t]` (int64, one per new token) says
+which of its sequence's new tokens token t may see: bit m for new token m. Keys before the
+step are always visible, and causality still holds, so -1 (every bit) is plain causal
+attention; a tree's root and nodes carry their ancestor masks (at most 64 new tokens).
+
 `write_kv_ref` + `paged_attention_ref` here are the torch implementations (the CPU path
 and the tests' oracle); the Triton kernels in `paged_attention_triton.py` implement the
 same two functions, and `write_kv` / `paged_attention` pick one.
@@ -39,6 +44,18 @@ def write_kv_ref(
 # Sequences with at most this many new tokens share one padded attention call (decode,
 # verification, short prompts); longer ones (prefill chunks) run one by one.
 MAX_BATCHED_QUERY_LEN = 16
+# With draft trees in the step: a tree's tokens (root and nodes) all fit in one int64 mask.
+MAX_TREE_TOKENS = 64
+
+
+def tree_visible(
+    bits: torch.Tensor,  # [..., q] int64 per query: which new tokens it may see
+    key_index: torch.Tensor,  # [..., k] key position minus the step's first new position
+) -> torch.Tensor:
+    """[..., q, k] bool: keys before the step, or new tokens whose bit is set."""
+    shift = key_index.clamp(0, MAX_TREE_TOKENS - 1)[..., None, :]
+    bit = torch.bitwise_right_shift(bits[..., :, None], shift) & 1
+    return (key_index[..., None, :] < 0) | (bit == 1)
 
 
 @dataclass
@@ -61,12 +78,14 @@ def plan_paged_attention(
     seq_lens: list[int],
     query_start_loc: list[int],
     block_size: int,
+    tree_bits: torch.Tensor | None = None,  # [num_tokens] int64, see the module docstring
 ) -> AttentionPlan:
     device = block_tables.device
     num_seqs = len(seq_lens)
     query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(num_seqs)]
-    batched = [i for i in range(num_seqs) if 0 < query_lens[i] <= MAX_BATCHED_QUERY_LEN]
-    long = [i for i in range(num_seqs) if query_lens[i] > MAX_BATCHED_QUERY_LEN]
+    limit = MAX_BATCHED_QUERY_LEN if tree_bits is None else MAX_TREE_TOKENS
+    batched = [i for i in range(num_seqs) if 0 < query_lens[i] <= limit]
+    long = [i for i in range(num_seqs) if query_lens[i] > limit]
     if not batched:
         return AttentionPlan(long, None, None, None, None)
     num_tokens = query_start_loc[-1]
@@ -90,6 +109,9 @@ def plan_paged_attention(
     key_slots = torch.where(in_context, slots, slots[:, :1])  # never read a stale slot
     query_pos = lens[:, None] - q_lens[:, None] + j[None, :]  # [n, max_q]
     mask = (pos[None, None, :] <= query_pos[:, :, None]) & in_context[:, None, :]
+    if tree_bits is not None:
+        bits = torch.where(is_query, tree_bits[query_rows], -1)  # [n, max_q]
+        mask &= tree_visible(bits, pos[None, :] - (lens - q_lens)[:, None])
     one_token_each = max_q == 1 and len(batched) == num_seqs == num_tokens
     return AttentionPlan(
         long, query_rows, out_rows, key_slots.flatten(), mask[:, None], one_token_each
@@ -112,15 +134,19 @@ def paged_attention_ref(
     query_start_loc: list[int],
     scale: float,
     plan: AttentionPlan | None = None,
+    tree_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Returns [num_tokens, heads, head_dim].
 
     Sequences with few new tokens (decode, verification of drafts) share one padded SDPA
     call; longer ones (prefill chunks) go one by one. `plan` (from `plan_paged_attention`)
-    saves recomputing the index tensors per layer.
+    saves recomputing the index tensors per layer; it carries the tree masks, so
+    `tree_bits` is read only when no plan is given.
     """
     if plan is None:
-        plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+        plan = plan_paged_attention(
+            block_tables, seq_lens, query_start_loc, k_cache.shape[1], tree_bits
+        )
     num_tokens = q.shape[0]
     if plan.query_rows is not None:
         n = plan.query_rows.shape[0]
@@ -193,9 +219,11 @@ def paged_attention(
     scale: float,
     backend: str = "auto",
     plan: AttentionPlan | None = None,
+    tree_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[num_tokens, heads, head_dim] attention over the paged cache ("auto": Triton on CUDA).
-    `plan`: the torch path's per-step index tensors, shared across layers."""
+    `plan`: the torch path's per-step index tensors, shared across layers; `tree_bits`:
+    [num_tokens] int64 draft-tree masks (module docstring)."""
     if use_triton(backend, q.device):
         from cluster.kernels.paged_attention_triton import paged_attention_triton
 
@@ -210,7 +238,8 @@ def paged_attention(
             torch.tensor(query_start_loc, dtype=torch.int32, device=device),
             scale,
             max(query_lens, default=0),
+            tree_bits,
         )
     return paged_attention_ref(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan, tree_bits
     )

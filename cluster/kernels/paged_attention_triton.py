@@ -140,6 +140,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
+    tree_bits_ptr,  # [num_tokens] int64 draft-tree masks (read when HAS_TREE)
     scale_log2,  # softmax scale * log2(e): scores are exponentiated with exp2
     head_dim,
     stride_qt,
@@ -164,6 +165,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per loop iteration
     BLOCK_D: tl.constexpr,  # head_dim padded to a power of two (>= 16)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32 rounding), else "tf32"
+    HAS_TREE: tl.constexpr,  # whether tree_bits restricts which new tokens a query sees
 ):
     """One (sequence, query head, tile of BLOCK_M of the sequence's new tokens) per program.
 
@@ -176,7 +178,8 @@ def _paged_attention_kernel(
     Per iteration, in float32: scores `S = q @ k^T` (scaled, masked to `key pos <= query
     pos`), running row max `m`, running denominator `l` and accumulator `acc`, both
     rescaled by `exp2(m_old - m_new)` when the max grows (online softmax). The output
-    `acc / l` is stored in q's dtype.
+    `acc / l` is stored in q's dtype. With HAS_TREE, a key among the step's new tokens is
+    also masked unless its bit is set in the query's `tree_bits` (draft trees).
     """
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -203,6 +206,8 @@ def _paged_attention_kernel(
         mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+    if HAS_TREE:
+        bits = tl.load(tree_bits_ptr + rows, mask=m_mask, other=-1)  # [BLOCK_M] int64
 
     # Finite start for the running max: exp2(m_i - m_new) never sees (-inf) - (-inf).
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -230,6 +235,11 @@ def _paged_attention_kernel(
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         s = s * scale_log2
         visible = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if HAS_TREE:
+            new_index = k_pos - context_len  # [BLOCK_N] index among the new tokens
+            shift = tl.minimum(tl.maximum(new_index, 0), 63).to(tl.int64)
+            bit = (bits[:, None] >> shift[None, :]) & 1
+            visible = visible & ((new_index[None, :] < 0) | (bit == 1))
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
@@ -266,6 +276,7 @@ def paged_attention_triton(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, on q's device
     scale: float,
     max_query_len: int,
+    tree_bits: torch.Tensor | None = None,  # [num_tokens] int64 draft-tree masks
 ) -> torch.Tensor:
     """Triton version of `paged_attention_ref`; returns [num_tokens, heads, head_dim] in q's dtype.
 
@@ -305,6 +316,7 @@ def paged_attention_triton(
         block_tables,
         seq_lens,
         query_start_loc,
+        tree_bits if tree_bits is not None else seq_lens,  # (not read without a tree)
         scale * math.log2(math.e),
         head_dim,
         *q.stride(),
@@ -318,5 +330,6 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_TREE=tree_bits is not None,
     )
     return out
