@@ -227,13 +227,14 @@ def _tree_bits(batch: dict, trees: dict[int, DraftTree]) -> torch.Tensor:
     return bits.to(batch["q"].device)
 
 
-def _dense_tree_attention(batch: dict, bits: torch.Tensor) -> torch.Tensor:
+def _dense_tree_attention(batch: dict, bits: torch.Tensor, starts=None) -> torch.Tensor:
     """Every query over exactly the keys it may see, one by one (the test's own oracle)."""
     q, out = batch["q"], torch.empty_like(batch["q"])
     block_size, kv_heads = batch["k_cache"].shape[1], batch["k_cache"].shape[2]
     group = q.shape[1] // kv_heads
     for i, (start, end) in enumerate(pairwise(batch["query_start_loc"])):
         seq_len, context = batch["seq_lens"][i], batch["seq_lens"][i] - (end - start)
+        first = context if starts is None else starts[i]
         pos = torch.arange(seq_len)
         slots = batch["block_tables"][i, pos // block_size].long().cpu() * block_size
         slots = (slots + pos % block_size).to(q.device)
@@ -241,7 +242,7 @@ def _dense_tree_attention(batch: dict, bits: torch.Tensor) -> torch.Tensor:
         values = batch["v_cache"].flatten(0, 1)[slots].repeat_interleave(group, dim=1)
         for j in range(end - start):
             b = int(bits[start + j])
-            seen = [p for p in range(context + j + 1) if p < context or (b >> (p - context)) & 1]
+            seen = [p for p in range(context + j + 1) if p < first or (b >> (p - first)) & 1]
             scores = torch.einsum("hd,khd->hk", q[start + j], keys[seen]) * batch["scale"]
             out[start + j] = torch.einsum("hk,khd->hd", scores.softmax(-1), values[seen])
     return out
@@ -278,3 +279,36 @@ def test_tree_masks_match_a_dense_oracle(block_size):
     # the trees changed something: plain causal attention differs on their rows
     causal = paged_attention_ref(**batch)
     assert not torch.allclose(causal, want, atol=1e-3)
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_tree_masks_can_start_before_the_new_tokens(block_size):
+    """A draft's tree pass: the new tokens are the frontier, and the bits also cover
+    earlier nodes (from `tree_starts`), some of which a query must not see."""
+    gen = torch.Generator().manual_seed(11)
+    batch = make_batch(gen, [(12, 3), (5, 1), (20, 2)], 4, 4, 16, block_size)
+    q_lens = [b - a for a, b in pairwise(batch["query_start_loc"])]
+    starts = [seq - n - 4 for seq, n in zip(batch["seq_lens"], q_lens, strict=True)]
+    # over [4 earlier keys, then the new tokens]: skip earlier keys 1 and 2 (or 0 and 3)
+    patterns = [0b1001, 0b0110]
+    rows = []
+    for n in q_lens:
+        rows += [patterns[j % 2] | 1 << (4 + j) for j in range(n)]
+    bits = torch.tensor(rows, dtype=torch.int64, device=batch["q"].device)
+    want = _dense_tree_attention(batch, bits, starts)
+    ref = paged_attention_ref(**batch, tree_bits=bits, tree_starts=starts)
+    device = batch["q"].device
+    got = paged_attention_triton(
+        batch["q"],
+        batch["k_cache"],
+        batch["v_cache"],
+        batch["block_tables"],
+        torch.tensor(batch["seq_lens"], dtype=torch.int32, device=device),
+        torch.tensor(batch["query_start_loc"], dtype=torch.int32, device=device),
+        batch["scale"],
+        max_query_len=max(q_lens),
+        tree_bits=bits,
+        tree_starts=torch.tensor(starts, dtype=torch.int32, device=device),
+    )
+    torch.testing.assert_close(ref, want, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)

@@ -57,10 +57,13 @@ def test_vectorised_path_equals_the_loop():
         uniforms[greedy] = 0
         inv_exp = 1 / torch.empty(len(trees), vocab).exponential_(generator=gen)
         inv_exp[greedy] = 1
-        x = TreeRejectionInputs(trees, p, q, uniforms, inv_exp)
-        fast, slow = tree_rejection_sample(x), tree_rejection_sample_loop(x)
-        assert torch.equal(fast.token_ids, slow.token_ids)
-        assert fast.accepted_nodes == slow.accepted_nodes
+        # with full drafts, some requests' children are point masses all the same
+        mixed = torch.tensor([True, False, True, False, True, True]) if full_q else None
+        for has_q in (None, mixed):
+            x = TreeRejectionInputs(trees, p, q, uniforms, inv_exp, has_q)
+            fast, slow = tree_rejection_sample(x), tree_rejection_sample_loop(x)
+            assert torch.equal(fast.token_ids, slow.token_ids)
+            assert fast.accepted_nodes == slow.accepted_nodes
 
 
 def test_greedy_takes_the_longest_argmax_path():

@@ -36,6 +36,9 @@ class ScheduledRequest:
     num_spec_tokens: int  # the last `num_spec_tokens` of token_ids are drafts to verify
     new_block_ids: list[int]  # blocks appended to the request's block table this step
     sample: bool  # False while a prompt is only partly computed: no token is sampled
+    # Draft trees: the parent of each draft (-1: the token before the drafts), None for a
+    # chain (`cluster.spec_decode.tree`)
+    spec_parents: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class SchedulerOutput:
     freed_req_ids: list[str] = field(default_factory=list)
     # Drafts to propose after this step (adaptive speculation); None: the configured k.
     num_drafts: int | None = None
+    # [src, dst] cache slots: an accepted draft-tree path's KV, moved where its sequence
+    # continues, on every rank before this step's forward (target layers only)
+    kv_copies: list[list[int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -76,6 +82,7 @@ class SchedulerOutput:
             scheduled=[ScheduledRequest(**d) for d in data["scheduled"]],
             freed_req_ids=data["freed_req_ids"],
             num_drafts=data["num_drafts"],
+            kv_copies=data["kv_copies"],
         )
 
 
@@ -111,6 +118,10 @@ class ModelRunnerOutput:
     draft_token_ids: list[list[int]] = field(default_factory=list)
     # Per request that asked for prompt logprobs and computed prompt tokens this step.
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Per request, the parents of its next drafts when they form a tree (None: a chain).
+    draft_parents: list[list[int] | None] = field(default_factory=list)
+    # Per request verified against a draft tree: the accepted path's nodes.
+    accepted_nodes: dict[str, list[int]] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         return msgpack.packb(asdict(self))

@@ -33,6 +33,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Draft tokens proposed for the next step (verified by the target there).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Their parents when they form a tree (-1: the last token), None for a chain.
+    spec_parents: list[int] | None = None
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -82,4 +84,8 @@ class Request:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
-        self.spec_token_ids = []
+        self.set_drafts([])
+
+    def set_drafts(self, tokens: list[int], parents: list[int] | None = None) -> None:
+        self.spec_token_ids = tokens
+        self.spec_parents = parents if tokens else None

@@ -55,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._freed: list[str] = []  # to tell the workers at the next step
+        self._kv_copies: list[list[int]] = []  # accepted tree paths to move, next step
         self._known_to_workers: set[str] = set()
         self._step_id = 0
         self.num_preemptions = 0  # total, for metrics and tests
@@ -105,7 +106,7 @@ class Scheduler:
         self.blocks.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
+        request.set_drafts([])
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted_this_step = True
@@ -131,7 +132,7 @@ class Scheduler:
                 index += 1
                 continue
             if num_drafts is not None and len(request.spec_token_ids) > num_drafts:
-                request.spec_token_ids = request.spec_token_ids[:num_drafts]
+                self._keep_drafts(request, num_drafts)
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             num_new = min(num_new, self.max_model_len - request.num_computed_tokens)
             if num_new <= 0:
@@ -193,8 +194,9 @@ class Scheduler:
 
         self._step_id += 1
         freed, self._freed = self._freed, []
+        copies, self._kv_copies = self._kv_copies, []
         self._in_flight.update(item.req_id for item in scheduled)
-        return SchedulerOutput(self._step_id, new_requests, scheduled, freed, num_drafts)
+        return SchedulerOutput(self._step_id, new_requests, scheduled, freed, num_drafts, copies)
 
     def _max_seqs_this_step(self) -> int:
         """With several batches in flight, split the requests evenly between them so no
@@ -227,7 +229,7 @@ class Scheduler:
         start = request.num_computed_tokens
         num_spec = max(0, start + num_new - request.num_tokens)
         if num_spec < len(request.spec_token_ids):  # trimmed by the budget
-            request.spec_token_ids = request.spec_token_ids[:num_spec]
+            self._keep_drafts(request, num_spec)
         return ScheduledRequest(
             req_id=request.request_id,
             token_ids=request.token_ids(start, start + num_new),
@@ -235,6 +237,15 @@ class Scheduler:
             num_spec_tokens=num_spec,
             new_block_ids=new_blocks,
             sample=start + num_new >= request.num_tokens,
+            spec_parents=request.spec_parents if num_spec else None,
+        )
+
+    @staticmethod
+    def _keep_drafts(request: Request, count: int) -> None:
+        """The first `count` drafts (a tree's first nodes include their ancestors)."""
+        parents = request.spec_parents
+        request.set_drafts(
+            request.spec_token_ids[:count], parents[:count] if parents is not None else None
         )
 
     # ---- applying the result ---------------------------------------------------------
@@ -244,6 +255,7 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
         drafts = dict(zip(runner_output.req_ids, runner_output.draft_token_ids, strict=False))
+        parents = dict(zip(runner_output.req_ids, runner_output.draft_parents, strict=False))
         for item in scheduler_output.scheduled:
             self._in_flight.discard(item.req_id)
             request = self.requests.get(item.req_id)
@@ -257,7 +269,11 @@ class Scheduler:
                 # KV of rejected drafts is simply overwritten later.
                 request.num_computed_tokens -= item.num_spec_tokens - num_accepted
                 self.spec_stats.observe(item.num_spec_tokens, num_accepted)
-            request.spec_token_ids = []
+                path = runner_output.accepted_nodes.get(item.req_id)
+                if path:
+                    root = item.num_computed_tokens + len(item.token_ids) - 1 - item.num_spec_tokens
+                    self._move_accepted_path(request, root, path)
+            request.set_drafts([])
             new_tokens = self._append_checking_stops(request, generated)
             self.blocks.cache_blocks(request)
             logprobs = runner_output.logprobs.get(item.req_id)
@@ -267,7 +283,7 @@ class Scheduler:
                 request, runner_output.prompt_logprobs.get(item.req_id), bool(new_tokens)
             )
             if not request.is_finished and drafts.get(item.req_id):
-                request.spec_token_ids = self._limit_drafts(request, drafts[item.req_id])
+                self._set_limited_drafts(request, drafts[item.req_id], parents.get(item.req_id))
             if new_tokens or request.is_finished:
                 outputs.append(
                     EngineCoreOutput(
@@ -321,12 +337,38 @@ class Scheduler:
                 break
         return appended
 
-    def _limit_drafts(self, request: Request, drafts: list[int]) -> list[int]:
-        """No drafts past max_tokens (a step yields drafts + 1 tokens) or max_model_len."""
+    def _set_limited_drafts(
+        self, request: Request, drafts: list[int], parents: list[int] | None
+    ) -> None:
+        """No drafts past max_tokens (a step yields at most depth + 1 tokens) or
+        max_model_len (every draft takes a slot)."""
         room = self.max_model_len - request.num_tokens
+        depth_room = room
         if request.max_tokens is not None:
-            room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
-        return list(drafts[: max(0, room)])
+            depth_room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
+        if parents is None:
+            request.set_drafts(list(drafts[: max(0, depth_room)]))
+            return
+        depths: list[int] = []
+        for parent in parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        # nodes come parents first, so a prefix of them is a tree
+        count = 0
+        while count < min(len(drafts), room) and depths[count] <= depth_room:
+            count += 1
+        request.set_drafts(list(drafts[:count]), list(parents[:count]))
+
+    def _move_accepted_path(self, request: Request, root: int, path: list[int]) -> None:
+        """The accepted nodes' KV (at slots root + 1 + node) goes to root + 1 .. root + d,
+        where the sequence continues; the copies run on every rank before the next step."""
+        table, size = self.blocks.block_tables[request.request_id], self.blocks.block_size
+
+        def slot(position: int) -> int:
+            return table[position // size] * size + position % size
+
+        for depth, node in enumerate(path, start=1):
+            if node != depth - 1:
+                self._kv_copies.append([slot(root + 1 + node), slot(root + depth)])
 
     def finish_by_stop_string(self, request_id: str, stop: str) -> None:
         """The output processor saw a stop string in the text: end the request."""

@@ -10,9 +10,10 @@ New token j of sequence i sits at position `seq_lens[i] - q_len_i + j` and atten
 key at or before it. Grouped-query heads: query head h reads KV head `h // (H // KVH)`.
 
 Draft trees (`cluster.spec_decode.tree`): `tree_bits[t]` (int64, one per new token) says
-which of its sequence's new tokens token t may see: bit m for new token m. Keys before the
-step are always visible, and causality still holds, so -1 (every bit) is plain causal
-attention; a tree's root and nodes carry their ancestor masks (at most 64 new tokens).
+which keys from its sequence's `tree_starts[i]` on token t may see: bit m for the key at
+`tree_starts[i] + m` (by default `tree_starts[i]` is the first new token). Keys before
+that are always visible, and causality still holds, so -1 (every bit) is plain causal
+attention; a tree's root and nodes carry their ancestor masks (at most 64 keys).
 
 `write_kv_ref` + `paged_attention_ref` here are the torch implementations (the CPU path
 and the tests' oracle); the Triton kernels in `paged_attention_triton.py` implement the
@@ -79,6 +80,7 @@ def plan_paged_attention(
     query_start_loc: list[int],
     block_size: int,
     tree_bits: torch.Tensor | None = None,  # [num_tokens] int64, see the module docstring
+    tree_starts: list[int] | None = None,  # [num_seqs], default: each first new token
 ) -> AttentionPlan:
     device = block_tables.device
     num_seqs = len(seq_lens)
@@ -111,7 +113,8 @@ def plan_paged_attention(
     mask = (pos[None, None, :] <= query_pos[:, :, None]) & in_context[:, None, :]
     if tree_bits is not None:
         bits = torch.where(is_query, tree_bits[query_rows], -1)  # [n, max_q]
-        mask &= tree_visible(bits, pos[None, :] - (lens - q_lens)[:, None])
+        first = lens - q_lens if tree_starts is None else ints([tree_starts[i] for i in batched])
+        mask &= tree_visible(bits, pos[None, :] - first[:, None])
     one_token_each = max_q == 1 and len(batched) == num_seqs == num_tokens
     return AttentionPlan(
         long, query_rows, out_rows, key_slots.flatten(), mask[:, None], one_token_each
@@ -135,6 +138,7 @@ def paged_attention_ref(
     scale: float,
     plan: AttentionPlan | None = None,
     tree_bits: torch.Tensor | None = None,
+    tree_starts: list[int] | None = None,
 ) -> torch.Tensor:
     """Returns [num_tokens, heads, head_dim].
 
@@ -145,7 +149,7 @@ def paged_attention_ref(
     """
     if plan is None:
         plan = plan_paged_attention(
-            block_tables, seq_lens, query_start_loc, k_cache.shape[1], tree_bits
+            block_tables, seq_lens, query_start_loc, k_cache.shape[1], tree_bits, tree_starts
         )
     num_tokens = q.shape[0]
     if plan.query_rows is not None:
@@ -220,10 +224,11 @@ def paged_attention(
     backend: str = "auto",
     plan: AttentionPlan | None = None,
     tree_bits: torch.Tensor | None = None,
+    tree_starts: list[int] | None = None,
 ) -> torch.Tensor:
     """[num_tokens, heads, head_dim] attention over the paged cache ("auto": Triton on CUDA).
-    `plan`: the torch path's per-step index tensors, shared across layers; `tree_bits`:
-    [num_tokens] int64 draft-tree masks (module docstring)."""
+    `plan`: the torch path's per-step index tensors, shared across layers; `tree_bits`,
+    `tree_starts`: draft-tree masks (module docstring)."""
     if use_triton(backend, q.device):
         from cluster.kernels.paged_attention_triton import paged_attention_triton
 
@@ -239,7 +244,19 @@ def paged_attention(
             scale,
             max(query_lens, default=0),
             tree_bits,
+            None
+            if tree_starts is None
+            else torch.tensor(tree_starts, dtype=torch.int32, device=device),
         )
     return paged_attention_ref(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan, tree_bits
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        plan,
+        tree_bits,
+        tree_starts,
     )

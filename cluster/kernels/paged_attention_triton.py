@@ -141,6 +141,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     tree_bits_ptr,  # [num_tokens] int64 draft-tree masks (read when HAS_TREE)
+    tree_starts_ptr,  # [num_seqs] int32 first key the bits describe (read when TREE_STARTS)
     scale_log2,  # softmax scale * log2(e): scores are exponentiated with exp2
     head_dim,
     stride_qt,
@@ -166,6 +167,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,  # head_dim padded to a power of two (>= 16)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32 rounding), else "tf32"
     HAS_TREE: tl.constexpr,  # whether tree_bits restricts which new tokens a query sees
+    TREE_STARTS: tl.constexpr,  # whether tree_starts is given (else: the first new token)
 ):
     """One (sequence, query head, tile of BLOCK_M of the sequence's new tokens) per program.
 
@@ -208,6 +210,9 @@ def _paged_attention_kernel(
     )  # [BLOCK_M, BLOCK_D]
     if HAS_TREE:
         bits = tl.load(tree_bits_ptr + rows, mask=m_mask, other=-1)  # [BLOCK_M] int64
+        tree_start = context_len
+        if TREE_STARTS:
+            tree_start = tl.load(tree_starts_ptr + seq)
 
     # Finite start for the running max: exp2(m_i - m_new) never sees (-inf) - (-inf).
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -236,7 +241,7 @@ def _paged_attention_kernel(
         s = s * scale_log2
         visible = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if HAS_TREE:
-            new_index = k_pos - context_len  # [BLOCK_N] index among the new tokens
+            new_index = k_pos - tree_start  # [BLOCK_N] index from the tree's first key
             shift = tl.minimum(tl.maximum(new_index, 0), 63).to(tl.int64)
             bit = (bits[:, None] >> shift[None, :]) & 1
             visible = visible & ((new_index[None, :] < 0) | (bit == 1))
@@ -277,6 +282,7 @@ def paged_attention_triton(
     scale: float,
     max_query_len: int,
     tree_bits: torch.Tensor | None = None,  # [num_tokens] int64 draft-tree masks
+    tree_starts: torch.Tensor | None = None,  # [num_seqs] int32 (default: first new token)
 ) -> torch.Tensor:
     """Triton version of `paged_attention_ref`; returns [num_tokens, heads, head_dim] in q's dtype.
 
@@ -317,6 +323,7 @@ def paged_attention_triton(
         seq_lens,
         query_start_loc,
         tree_bits if tree_bits is not None else seq_lens,  # (not read without a tree)
+        tree_starts if tree_starts is not None else seq_lens,
         scale * math.log2(math.e),
         head_dim,
         *q.stride(),
@@ -331,5 +338,6 @@ def paged_attention_triton(
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_TREE=tree_bits is not None,
+        TREE_STARTS=tree_starts is not None,
     )
     return out

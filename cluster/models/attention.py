@@ -69,6 +69,10 @@ class AttentionMetadata:
     kv_cache: KVCache | None = None
     slot_mapping: torch.Tensor | None = None  # [num_tokens] cache slot of each token (paged)
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] (paged)
+    # [num_tokens] int64 draft-tree masks: which of its sequence's new tokens each token
+    # sees (`cluster.kernels.paged_attention`); None: causal attention everywhere.
+    tree_bits: torch.Tensor | None = None
+    tree_starts: list[int] | None = None  # [num_seqs] first key the bits describe
     # Recurrent layers' states for this step (`cluster.models.gated_delta.StepStates`);
     # None: every sequence's recurrent state starts from zeros and is not kept.
     recurrent: Any = None
@@ -152,6 +156,8 @@ def _attend(
         q, k, v = q[:n], k[:n], v[:n]
     if meta.kv_cache is not None:
         out = meta.kv_cache.attend(layer_idx, q, k, v, meta, scale)
+    elif meta.tree_bits is not None:
+        raise ValueError("draft-tree attention needs a paged KV cache")
     else:
         starts = meta.query_start_loc
         out = attention_per_sequence(

@@ -46,6 +46,9 @@ class TreeRejectionInputs:
     draft_probs: torch.Tensor | None
     uniforms: torch.Tensor  # [batch, max_nodes] float64 in [0, 1); 0 for greedy requests
     inv_exponentials: torch.Tensor  # [batch, vocab] float32, 1 / E; 1 for greedy requests
+    # [batch] bool: whose children were drawn from `draft_probs` (the others' are point
+    # masses); None: every request's, when `draft_probs` is given
+    has_draft_probs: torch.Tensor | None = None
 
     @property
     def row_starts(self) -> list[int]:
@@ -118,6 +121,9 @@ def tree_rejection_sample(x: TreeRejectionInputs) -> TreeVerification:
     current = torch.zeros(batch, dtype=torch.int64, device=device)  # row: node + 1
     p = x.target_probs[starts]  # [batch, vocab]
     q = x.draft_probs[starts] if x.draft_probs is not None else None
+    full_q = x.has_draft_probs
+    if q is not None and full_q is None:
+        full_q = torch.ones(batch, dtype=torch.bool, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     final = torch.full((batch,), PLACEHOLDER, dtype=torch.int64, device=device)
     path: list[torch.Tensor] = []  # per depth: [batch] accepted node or -1
@@ -132,13 +138,13 @@ def tree_rejection_sample(x: TreeRejectionInputs) -> TreeVerification:
             kid_safe = kid.clamp(min=0)
             token = tokens[rows, kid_safe]
             u = x.uniforms[rows, kid_safe].float()
-            q_token = q[rows, token] if q is not None else torch.ones_like(u)
-            accept = trying & (u * q_token < p[rows, token])
-            reject = trying & ~accept
             point = torch.nn.functional.one_hot(token, vocab).to(p.dtype)
-            p = torch.where(reject[:, None], _residual(p, q if q is not None else point), p)
+            q_now = point if q is None else torch.where(full_q[:, None], q, point)
+            accept = trying & (u * q_now[rows, token] < p[rows, token])
+            reject = trying & ~accept
+            p = torch.where(reject[:, None], _residual(p, q_now), p)
             if q is not None:
-                q = torch.where(reject[:, None], _without(q, point), q)
+                q = torch.where((reject & full_q)[:, None], _without(q, point), q)
             moved |= accept
             step = torch.where(accept, kid, step)
         ending = ~done & ~moved
@@ -171,6 +177,8 @@ def tree_rejection_sample_loop(x: TreeRejectionInputs) -> TreeVerification:
         while True:
             p = x.target_probs[start + node + 1]
             q = x.draft_probs[start + node + 1] if x.draft_probs is not None else None
+            if x.has_draft_probs is not None and not bool(x.has_draft_probs[b]):
+                q = None
             moved = False
             for kid in tree.children(node):
                 token = tree.tokens[kid]

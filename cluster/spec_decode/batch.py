@@ -51,9 +51,13 @@ class ProposalBatch:
 @dataclass
 class DraftProposal:
     token_ids: list[list[int]]  # [batch][<= k] drafts (empty for requests that did not sample)
-    # [batch] the distribution each request's drafts were sampled from ([k_i, vocab]), or
-    # None where drafts are argmax / deltas.
+    # [batch] the distribution each request's drafts were sampled from ([k_i, vocab]; for a
+    # tree [n_i + 1, vocab]: the root's row, then each node's), or None where drafts are
+    # argmax / deltas.
     probs: list[torch.Tensor | None]
+    # [batch] each draft's parent when the drafts form a tree (`cluster.spec_decode.tree`);
+    # None: chains.
+    parents: list[list[int] | None] | None = None
 
 
 class Proposer(Protocol):

@@ -33,13 +33,21 @@ def prepare_inputs(
     seq_lens: list[int] = []
     logits_indices: list[int] = []
     sampled: list[ScheduledRequest] = []
+    tree_bits: list[int] = []
+    has_tree = any(item.spec_parents is not None for item in scheduled)
     for item in scheduled:
         table = block_tables[item.req_id]
         start, n = item.num_computed_tokens, len(item.token_ids)
         input_ids.extend(item.token_ids)
         for pos in range(start, start + n):
-            positions.append(pos)
             slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+        if item.spec_parents is None:
+            positions.extend(range(start, start + n))
+            tree_bits.extend([-1] * n if has_tree else [])
+        else:
+            tree_positions, bits = _tree_rows(n, item.spec_parents)
+            positions.extend(start + p for p in tree_positions)
+            tree_bits.extend(bits)
         end = query_start_loc[-1] + n
         if item.sample:
             logits_indices.extend(range(end - item.num_spec_tokens - 1, end))
@@ -61,5 +69,21 @@ def prepare_inputs(
         positions=to_device(positions),
         slot_mapping=to_device(slot_mapping),
         block_tables=tables.to(device),
+        tree_bits=to_device(tree_bits) if has_tree else None,
     )
     return ModelInputs(to_device(input_ids), meta, to_device(logits_indices), sampled)
+
+
+def _tree_rows(n: int, parents: list[int]) -> tuple[list[int], list[int]]:
+    """A step of `n` new tokens whose last `len(parents)` are draft-tree nodes (the token
+    before them is the root): each token's position offset (the root's plus its depth) and
+    its attention bits over the step's new tokens (everything up to the root, then its
+    ancestors and itself)."""
+    root = n - 1 - len(parents)
+    positions = list(range(root + 1))
+    bits = [(1 << (j + 1)) - 1 for j in range(root + 1)]
+    for i, parent in enumerate(parents):
+        above = bits[root] if parent < 0 else bits[root + 1 + parent]
+        positions.append(positions[root] + 1 if parent < 0 else positions[root + 1 + parent] + 1)
+        bits.append(above | 1 << (root + 1 + i))
+    return positions, bits

@@ -87,16 +87,37 @@ class PagedKVCache:
                 meta.query_start_loc,
                 scale,
                 backend="triton",
+                tree_bits=meta.tree_bits,
+                tree_starts=meta.tree_starts,
             )
         plan = meta.derived.get("attention_plan")  # index tensors shared by every layer
         if plan is None:
             plan = meta.derived["attention_plan"] = plan_paged_attention(
-                meta.block_tables, meta.seq_lens, meta.query_start_loc, self.block_size
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                self.block_size,
+                meta.tree_bits,
+                meta.tree_starts,
             )
         write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention_ref(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, plan
         )
+
+    def copy_slots(self, copies: list[list[int]], layer_ids: set[int]) -> None:
+        """Move KV from `src` to `dst` slots ([src, dst] pairs) in the layers named; every
+        source is read before any destination is written."""
+        if not copies:
+            return
+        device = self.k[0].device
+        src, dst = torch.tensor(copies, dtype=torch.int64, device=device).T
+        for layer_idx, i in self.index.items():
+            if layer_idx not in layer_ids:
+                continue
+            for cache in {id(t): t for t in (self.k[i], self.v[i])}.values():
+                flat = cache.view(-1, *cache.shape[2:])
+                flat.index_copy_(0, dst, flat.index_select(0, src))
 
 
 def _by_layer(shapes: LayerShapes, first_layer_idx: int) -> dict[int, KVShape]:

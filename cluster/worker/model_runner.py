@@ -26,7 +26,7 @@ from cluster.engine.messages import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from cluster.models.attention import attention_context
+from cluster.models.attention import AttentionLayer, attention_context
 from cluster.models.compiled import CompiledForward, CompileOptions
 from cluster.parallel import ParallelState
 from cluster.parallel.pipeline import StageActivations
@@ -39,8 +39,10 @@ from cluster.sample import (
     compute_logprobs,
 )
 from cluster.sample.randomness import draft_seed
+from cluster.sample.tree_sampler import TreeRejectionSampler
 from cluster.sampling_params import SamplingParams
 from cluster.spec_decode.batch import ProposalBatch, Proposer
+from cluster.spec_decode.tree import DraftTree
 from cluster.worker.input_batch import ModelInputs, prepare_inputs
 from cluster.worker.kv_cache import PagedKVCache
 from cluster.worker.state_cache import RecurrentStateCache
@@ -58,7 +60,8 @@ class CachedRequestState:
     generator: torch.Generator | None  # the verifier's and sampler's draws
     draft_generator: torch.Generator | None  # sampled drafts' draws (an independent stream)
     block_ids: list[int] = field(default_factory=list)
-    # The distributions the pending drafts were drawn from ([k, vocab]); None: argmax drafts.
+    # The distributions the pending drafts were drawn from ([k, vocab]; for a tree, the root's
+    # row then one per node: [n + 1, vocab]); None: argmax drafts.
     draft_probs: torch.Tensor | None = None
     eos_token_id: int | None = None
 
@@ -91,6 +94,10 @@ class ModelRunner:
         self.vocab_size = int(model.config.vocab_size)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler, backend=sampler_backend)
+        self.tree_sampler = TreeRejectionSampler(self.sampler)
+        # The target's attention layers: an accepted tree path's KV moves in these only
+        # (a draft head's layers are rewritten at the path's final slots by its pass 0).
+        self.target_layers = {m.layer_idx for m in model.modules() if isinstance(m, AttentionLayer)}
         self.requests: dict[str, CachedRequestState] = {}
         # Activations from earlier stages carry the aux states of the layers they ran.
         start = getattr(getattr(model, "model", None), "start_layer", 0)
@@ -171,6 +178,7 @@ class ModelRunner:
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        self.kv_cache.copy_slots(so.kv_copies, self.target_layers)
         if not so.scheduled:
             return ModelRunnerOutput(so.step_id, [], [])
         block_tables = {s.req_id: self.requests[s.req_id].block_ids for s in so.scheduled}
@@ -206,11 +214,14 @@ class ModelRunner:
         else:
             hidden = features = out  # [num_tokens, hidden]
         prompt_logprobs = self._prompt_logprobs(hidden, so.scheduled)
-        sampled_ids, logprobs = self._sample(hidden, inputs)
+        if any(s.spec_parents is not None for s in inputs.sampled):
+            sampled_ids, logprobs, paths = self._sample_trees(hidden, inputs)
+        else:
+            (sampled_ids, logprobs), paths = self._sample(hidden, inputs), {}
         per_request = dict(zip((s.req_id for s in inputs.sampled), sampled_ids, strict=True))
         for req_id, tokens in per_request.items():
             self.requests[req_id].output_token_ids.extend(tokens)
-        drafts = self._propose(so, inputs, per_request, features)
+        drafts, parents = self._propose(so, inputs, per_request, features, paths)
         return ModelRunnerOutput(
             step_id=so.step_id,
             req_ids=[s.req_id for s in so.scheduled],
@@ -218,6 +229,8 @@ class ModelRunner:
             logprobs=logprobs,
             draft_token_ids=drafts,
             prompt_logprobs=prompt_logprobs,
+            draft_parents=parents,
+            accepted_nodes=paths,
         )
 
     def _prompt_logprobs(
@@ -259,15 +272,7 @@ class ModelRunner:
             return [], {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, vocab]
         states = [self.requests[s.req_id] for s in inputs.sampled]
-        metadata = SamplingMetadata.from_params(
-            [st.sampling_params for st in states],
-            self.vocab_size,
-            self.device,
-            prompt_token_ids=[st.prompt_token_ids for st in states],
-            output_token_ids=[st.output_token_ids for st in states],
-            generators={i: st.generator for i, st in enumerate(states) if st.generator is not None},
-            eos_token_ids=[st.eos_token_id for st in states],
-        )
+        metadata = self._sampling_metadata(states)
         if any(s.num_spec_tokens for s in inputs.sampled):
             drafts = [s.token_ids[len(s.token_ids) - s.num_spec_tokens :] for s in inputs.sampled]
             spec = SpecDecodeMetadata.from_drafts(drafts, self.device)
@@ -285,6 +290,49 @@ class ModelRunner:
         rows = token_ids.tolist()
         sampled = [row[:n] for row, n in zip(rows, counts, strict=True)]
         return sampled, _logprobs_by_request(lp, states, counts)
+
+    def _sample_trees(
+        self, hidden: torch.Tensor, inputs: ModelInputs
+    ) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]], dict[str, list[int]]]:
+        """Verify each sampled request's draft tree (a chain or no drafts are trees too):
+        (tokens per request, logprobs, the accepted nodes of requests that had drafts)."""
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [rows, vocab]
+        states = [self.requests[s.req_id] for s in inputs.sampled]
+        metadata = self._sampling_metadata(states)
+        trees = []
+        for item in inputs.sampled:
+            drafts = item.token_ids[len(item.token_ids) - item.num_spec_tokens :]
+            if item.spec_parents is None:
+                trees.append(DraftTree.chain(drafts))
+            else:
+                trees.append(DraftTree(tuple(drafts), tuple(item.spec_parents)))
+        probs = [
+            st.draft_probs if st.draft_probs is not None and tree.num_nodes else None
+            for st, tree in zip(states, trees, strict=True)
+        ]
+        out = self.tree_sampler(logits, trees, metadata, probs)
+        for st in states:
+            st.draft_probs = None  # verified now
+        counts = out.num_output_tokens
+        rows = out.token_ids.tolist()
+        sampled = [row[:n] for row, n in zip(rows, counts, strict=True)]
+        paths = {
+            item.req_id: path
+            for item, path in zip(inputs.sampled, out.accepted_nodes, strict=True)
+            if item.num_spec_tokens
+        }
+        return sampled, _logprobs_by_request(out.logprobs, states, counts), paths
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        return SamplingMetadata.from_params(
+            [st.sampling_params for st in states],
+            self.vocab_size,
+            self.device,
+            prompt_token_ids=[st.prompt_token_ids for st in states],
+            output_token_ids=[st.output_token_ids for st in states],
+            generators={i: st.generator for i, st in enumerate(states) if st.generator is not None},
+            eos_token_ids=[st.eos_token_id for st in states],
+        )
 
     def _draft_probs(
         self, states: list[CachedRequestState], drafts: list[list[int]]
@@ -310,10 +358,20 @@ class ModelRunner:
         inputs: ModelInputs,
         sampled: dict[str, list[int]],
         features: torch.Tensor,
-    ) -> list[list[int]]:
+        paths: dict[str, list[int]],
+    ) -> tuple[list[list[int]], list[list[int] | None]]:
+        """The next drafts (and their parents, for trees). A request verified against a
+        tree has its accepted path's rows brought right after its root first, so the
+        proposer sees the accepted tokens as a chain (their KV slots are already the
+        chain's: `slot_mapping` stays as it is)."""
         if self.proposer is None:
-            return []
+            return [], []
         scheduled = so.scheduled
+        input_ids, positions = inputs.input_ids, inputs.meta.positions
+        if paths:
+            order = _accepted_first(scheduled, inputs.meta.query_start_loc, paths)
+            index = torch.tensor(order, device=self.device)
+            input_ids, positions, features = input_ids[index], positions[index], features[index]
         num_valid, next_ids = [], []
         for item in scheduled:
             state = self.requests[item.req_id]
@@ -342,8 +400,8 @@ class ModelRunner:
                 if self.proposer.needs_token_history
                 else []
             ),
-            input_ids=inputs.input_ids,
-            positions=meta.positions,
+            input_ids=input_ids,
+            positions=positions,
             slot_mapping=meta.slot_mapping,
             block_tables=meta.block_tables,
             num_blocks=[len(st.block_ids) for st in states],
@@ -355,7 +413,27 @@ class ModelRunner:
         proposal = self.proposer.propose(batch)
         for st, probs in zip(states, proposal.probs, strict=True):
             st.draft_probs = probs
-        return proposal.token_ids
+        parents = proposal.parents or [None] * len(proposal.token_ids)
+        return proposal.token_ids, parents
+
+
+def _accepted_first(
+    scheduled: list[ScheduledRequest], query_start_loc: list[int], paths: dict[str, list[int]]
+) -> list[int]:
+    """A permutation of the step's rows: each tree request's rows up to its root, its
+    accepted nodes' rows in path order, then its other nodes' rows."""
+    order: list[int] = []
+    for item, start in zip(scheduled, query_start_loc, strict=False):
+        n = len(item.token_ids)
+        path = paths.get(item.req_id)
+        if path is None:
+            order.extend(range(start, start + n))
+            continue
+        root = start + n - 1 - item.num_spec_tokens
+        accepted = [root + 1 + node for node in path]
+        rest = [r for r in range(root + 1, start + n) if r not in set(accepted)]
+        order.extend([*range(start, root + 1), *accepted, *rest])
+    return order
 
 
 def _logprobs_by_request(
