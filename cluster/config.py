@@ -247,6 +247,11 @@ class EngineConfig(_Frozen):
             )
         if self.speculative is not None:
             self.speculative.check_against_target(self.model.path, hf)
+            if self.speculative.tree is not None and has_recurrent_layers(hf):
+                raise ValueError(
+                    "speculative.tree is not supported on targets with recurrent layers (their "
+                    "state follows one sequence, not a tree of drafts)"
+                )
             if self.speculative.adaptive and self.parallel.pipeline_parallel_size > 1:
                 raise ValueError(
                     "speculative.adaptive needs pipeline_parallel_size=1 (with several batches "

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.architectures import RECURRENT_ARCHITECTURES
 from cluster.checkpoints import checkpoint_tensor_shapes
+from cluster.spec_decode.tree import max_tree_nodes
 
 Method = Literal["eagle", "eagle3", "mtp", "ngram", "draft_model"]
 DraftKind = Literal[
@@ -68,6 +69,75 @@ def builtin_head_path(name: str) -> str:
     return os.path.join(os.path.dirname(__file__), "heads", name)
 
 
+# A draft tree's root and nodes (target verification) and fed nodes (drafting) each need a
+# bit of one int64 attention mask.
+MAX_TREE_NODES = 62
+
+
+class TreeConfig(BaseModel):
+    """Tree drafting (`cluster/spec_decode/tree_drafting.py`); depth is
+    `num_speculative_tokens`.
+
+    Dynamic (EAGLE-2): `topk` children per expanded node, the `topk` best nodes of each
+    depth expanded, the `num_nodes` best candidates verified. Bounds: 1 <= num_nodes <=
+    topk + (depth - 1) * topk**2 (the candidates made) and <= 62, and (depth - 1) * topk
+    <= 62 (the nodes fed). Static: `paths`, each node as the draft ranks along its path
+    from the root ([0] the best first draft, [0, 1] its second-best child); every prefix of
+    a path is a node, the ranks below a node are 0..m-1, at most 62 nodes, no path longer
+    than the depth. topk=1 with num_nodes=depth is the chain.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    topk: int = Field(default=1, ge=1, le=16)
+    num_nodes: int | None = Field(default=None, ge=1, le=MAX_TREE_NODES)
+    paths: tuple[tuple[int, ...], ...] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> TreeConfig:
+        if (self.num_nodes is None) == (self.paths is None):
+            raise ValueError(
+                "speculative.tree needs num_nodes (dynamic) or paths (static), not both"
+            )
+        if self.paths is not None:
+            nodes = set(self.paths)
+            if not self.paths or len(nodes) != len(self.paths) or len(nodes) > MAX_TREE_NODES:
+                raise ValueError(
+                    f"speculative.tree.paths must be 1..{MAX_TREE_NODES} distinct paths"
+                )
+            for path in self.paths:
+                if not path or min(path) < 0:
+                    raise ValueError(
+                        f"speculative.tree.paths: {list(path)} is not a path of ranks >= 0"
+                    )
+                if len(path) > 1 and path[:-1] not in nodes:
+                    raise ValueError(
+                        f"speculative.tree.paths: {list(path)} has no parent {list(path[:-1])}"
+                    )
+            for parent in {(), *nodes}:
+                ranks = sorted(p[-1] for p in nodes if p[:-1] == parent)
+                if ranks != list(range(len(ranks))):
+                    raise ValueError(
+                        f"speculative.tree.paths: the children of {list(parent)} have ranks "
+                        f"{ranks}; they must be 0..{len(ranks) - 1}"
+                    )
+        return self
+
+    def depth_of_paths(self) -> int:
+        return max(len(p) for p in self.paths or ())
+
+    def num_fed(self, depth: int) -> int:
+        """Nodes fed to the draft while growing a tree (each takes a scratch KV slot)."""
+        if self.paths is not None:
+            return len({p[:-1] for p in self.paths if len(p) > 1})
+        return (depth - 1) * self.topk
+
+    @property
+    def size(self) -> int:
+        """Nodes verified per step."""
+        return len(self.paths) if self.paths is not None else int(self.num_nodes or 0)
+
+
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
@@ -85,6 +155,8 @@ class SpeculativeConfig(BaseModel):
     # Adapt the number of drafts per step (0..num_speculative_tokens, 0 = off) to measured
     # goodput for each batch size (`cluster/engine/spec_controller.py`); lossless either way.
     adaptive: bool = False
+    # Draft trees instead of chains (EAGLE-2 style); None: a chain of drafts.
+    tree: TreeConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -128,7 +200,33 @@ class SpeculativeConfig(BaseModel):
                 )
         elif self.method in ("eagle", "eagle3", "draft_model"):
             raise ValueError(f"speculative.model is required for method={self.method!r}")
+        if self.tree is not None:
+            self._check_tree(self.tree)
         return self
+
+    def _check_tree(self, tree: TreeConfig) -> None:
+        k = self.num_speculative_tokens
+        if self.resolved_method == "ngram":
+            raise ValueError("speculative.tree needs a draft model (n-gram lookup drafts chains)")
+        if self.adaptive:
+            raise ValueError("speculative.tree and speculative.adaptive cannot be combined yet")
+        if tree.paths is not None and tree.depth_of_paths() > k:
+            raise ValueError(
+                f"speculative.tree.paths go {tree.depth_of_paths()} deep, deeper than "
+                f"num_speculative_tokens={k}"
+            )
+        if tree.num_nodes is not None:
+            made = max_tree_nodes(tree.topk, k)
+            if tree.num_nodes > made:
+                raise ValueError(
+                    f"speculative.tree.num_nodes={tree.num_nodes} exceeds the {made} candidates "
+                    f"topk={tree.topk} makes over depth {k} (topk + (depth - 1) * topk**2)"
+                )
+        if tree.num_fed(k) > MAX_TREE_NODES:
+            raise ValueError(
+                f"speculative.tree feeds {tree.num_fed(k)} nodes to the draft per step; at most "
+                f"{MAX_TREE_NODES} (lower topk or num_speculative_tokens)"
+            )
 
     @cached_property
     def draft_kind(self) -> DraftKind:

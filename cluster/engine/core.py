@@ -57,6 +57,8 @@ class EngineCore:
         lookahead = 0
         if spec is not None and spec.resolved_method != "ngram":
             lookahead = spec.num_speculative_tokens
+            if spec.tree is not None:  # scratch slots for the nodes fed while growing trees
+                lookahead = max(lookahead, spec.tree.num_fed(lookahead) + 1)
         # One batch in flight per pipeline stage keeps every stage busy.
         self.max_concurrent_batches = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(

@@ -18,14 +18,19 @@ class SpecDecodingStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
-    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+    def observe(
+        self, num_draft_tokens: int, num_accepted_tokens: int, depth: int | None = None
+    ) -> None:
+        """One verification: its drafts (a tree's nodes), how many were accepted, and how
+        many positions deep the drafts went (a chain: one per draft)."""
         if num_draft_tokens == 0:
             return
+        depth = num_draft_tokens if depth is None else depth
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
-        if len(self.accepted_per_position) < num_draft_tokens:
-            self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
+        if len(self.accepted_per_position) < depth:
+            self.accepted_per_position += [0] * (depth - len(self.accepted_per_position))
         for i in range(num_accepted_tokens):
             self.accepted_per_position[i] += 1
 
@@ -39,6 +44,8 @@ class SpecDecodingStats:
             if self.num_draft_tokens
             else 0.0,
             "mean_acceptance_length": 1 + self.num_accepted_tokens / drafts if drafts else 1.0,
+            # drafts verified per verification (a tree's nodes)
+            "mean_draft_tokens_per_step": self.num_draft_tokens / drafts if drafts else 0.0,
             "acceptance_per_position": [a / drafts for a in self.accepted_per_position]
             if drafts
             else [],

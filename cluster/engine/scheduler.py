@@ -31,6 +31,7 @@ from cluster.engine.messages import (
 )
 from cluster.engine.metrics import SpecDecodingStats
 from cluster.engine.request import FinishReason, Request, RequestStatus
+from cluster.spec_decode.tree import DraftTree
 
 
 class Scheduler:
@@ -268,7 +269,10 @@ class Scheduler:
                 num_accepted = max(0, len(generated) - 1)
                 # KV of rejected drafts is simply overwritten later.
                 request.num_computed_tokens -= item.num_spec_tokens - num_accepted
-                self.spec_stats.observe(item.num_spec_tokens, num_accepted)
+                depth = None
+                if item.spec_parents is not None:
+                    depth = DraftTree((0,) * item.num_spec_tokens, tuple(item.spec_parents)).depth
+                self.spec_stats.observe(item.num_spec_tokens, num_accepted, depth)
                 path = runner_output.accepted_nodes.get(item.req_id)
                 if path:
                     root = item.num_computed_tokens + len(item.token_ids) - 1 - item.num_spec_tokens

@@ -14,6 +14,7 @@ from torch import nn
 from cluster.models.attention import AttentionMetadata, KVCache, attention_context
 from cluster.spec_decode.batch import DraftProposal, ProposalBatch
 from cluster.spec_decode.chain import choose_tokens, run_chain
+from cluster.spec_decode.tree_drafting import TreeShape, grow_trees
 
 
 class DraftModelProposer:
@@ -26,8 +27,10 @@ class DraftModelProposer:
         block_size: int,
         num_speculative_tokens: int,
         sample: bool,
+        tree: TreeShape | None = None,
     ) -> None:
         self.model = model
+        self.tree = tree  # draft trees (EAGLE-2's expansion) instead of chains
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.k = num_speculative_tokens
@@ -86,12 +89,32 @@ class DraftModelProposer:
             for j, i in enumerate(drafting)
             if i in batch.draft_generators
         }
-        tokens, probs = choose_tokens(
-            self.model.compute_logits(hidden[last_rows]), params, self.sample, generators
-        )
+        root_logits = self.model.compute_logits(hidden[last_rows])
 
         def step_fn(tokens, hidden, positions, step):
             return self.model.compute_logits(self.model(tokens, positions)), None
+
+        if self.tree is not None:
+            trees, tree_probs = grow_trees(
+                step_fn,
+                root_logits,
+                None,
+                [positions[starts[i + 1] - 1] for i in drafting],
+                batch.block_tables[drafting],
+                [batch.num_blocks[i] for i in drafting],
+                self.block_size,
+                self.kv_cache,
+                params,
+                generators,
+                self.sample,
+                self.tree,
+            )
+            result.parents = [None] * len(batch.sampled)
+            for j, i in enumerate(drafting):
+                result.token_ids[i], result.probs[i] = list(trees[j].tokens), tree_probs[j]
+                result.parents[i] = list(trees[j].parents)
+            return result
+        tokens, probs = choose_tokens(root_logits, params, self.sample, generators)
 
         drafts, draft_probs = run_chain(
             step_fn,

@@ -18,6 +18,7 @@ from cluster.models.compiled import CompiledForward, CompileOptions
 from cluster.models.draft_base import DraftModel
 from cluster.spec_decode.batch import DraftProposal, ProposalBatch
 from cluster.spec_decode.chain import choose_tokens, run_chain
+from cluster.spec_decode.tree_drafting import TreeShape, grow_trees
 
 
 def shifted_input_ids(batch: ProposalBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,8 +48,10 @@ class EagleProposer:
         num_speculative_tokens: int,
         sample: bool,
         compile_options: CompileOptions | None = None,
+        tree: TreeShape | None = None,
     ) -> None:
         self.draft = draft
+        self.tree = tree  # draft trees (EAGLE-2) instead of chains
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.k = num_speculative_tokens
@@ -116,12 +119,32 @@ class EagleProposer:
             if i in batch.draft_generators
         }
         logits = self.draft.compute_logits(logits_hidden[last_rows], 0)
-        tokens, probs = choose_tokens(logits, params, self.sample, generators)
 
         def step_fn(tokens, hidden, positions, step):
             logits_hidden, next_hidden = self._forward(tokens, hidden, positions, step)
             return self.draft.compute_logits(logits_hidden, step), next_hidden
 
+        if self.tree is not None:
+            trees, tree_probs = grow_trees(
+                step_fn,
+                logits,
+                next_hidden[last_rows],
+                [batch.num_computed[i] + batch.num_valid[i] - 1 for i in drafting],
+                batch.block_tables[drafting],
+                [batch.num_blocks[i] for i in drafting],
+                self.block_size,
+                self.kv_cache,
+                params,
+                generators,
+                self.sample,
+                self.tree,
+            )
+            empty.parents = [None] * len(batch.sampled)
+            for j, i in enumerate(drafting):
+                empty.token_ids[i], empty.probs[i] = list(trees[j].tokens), tree_probs[j]
+                empty.parents[i] = list(trees[j].parents)
+            return empty
+        tokens, probs = choose_tokens(logits, params, self.sample, generators)
         drafts, draft_probs = run_chain(
             step_fn,
             tokens,

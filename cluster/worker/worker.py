@@ -26,6 +26,7 @@ from cluster.parallel import ParallelState, destroy_parallel_state, init_paralle
 from cluster.spec_decode.draft_model import DraftModelProposer
 from cluster.spec_decode.eagle import EagleProposer
 from cluster.spec_decode.ngram import NgramProposer
+from cluster.spec_decode.tree_drafting import TreeShape
 from cluster.worker.kv_cache import LayerShape, PagedKVCache
 from cluster.worker.model_runner import ModelRunner
 from cluster.worker.state_cache import RecurrentStateCache
@@ -148,13 +149,16 @@ class Worker:
         proposer = None
         if spec is not None and self.state.is_last_stage:
             k, sample = spec.num_speculative_tokens, spec.draft_sampling == "sample"
+            tree = None
+            if spec.tree is not None:
+                tree = TreeShape(k, spec.tree.topk, spec.tree.size, spec.tree.paths)
             if self.draft_head is not None:
                 proposer = EagleProposer(
-                    self.draft_head, kv_cache, block_size, k, sample, compile_options
+                    self.draft_head, kv_cache, block_size, k, sample, compile_options, tree
                 )
             elif self.draft_lm is not None:
                 draft_kv = PagedKVCache(draft_lm_shapes, num_blocks, block_size, dtype, device)
-                proposer = DraftModelProposer(self.draft_lm, draft_kv, block_size, k, sample)
+                proposer = DraftModelProposer(self.draft_lm, draft_kv, block_size, k, sample, tree)
             else:
                 proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.runner = ModelRunner(
