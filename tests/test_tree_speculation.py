@@ -201,3 +201,37 @@ def test_trees_after_partial_acceptance_equal_a_recompute(target, baseline, kind
     assert len(calls) > 20
     for history, tokens, parents in calls[::3]:  # (every third: the recompute is slow)
         assert (tokens, parents) == _recomputed_tree(draft, hf, history, k, topk, num_nodes)
+
+
+def test_sampled_trees_keep_the_target_distribution(target):
+    """600 seeded requests, top-k 5 at temperature 1: the first two tokens (the second
+    verified against a tree of sampled siblings: with one token left, the tree keeps its
+    first depth) are distributed as without speculation (two-sample chi-square on the
+    joint, p > 1e-3); a seeded request repeats itself."""
+    from scipy.stats import chi2_contingency
+
+    path, _, specs = target
+    prompt = {"prompt_token_ids": PROMPTS[3]}
+    params = [
+        SamplingParams(temperature=1.0, top_k=5, max_tokens=3, ignore_eos=True, seed=s)
+        for s in range(600)
+    ]
+    spec = {
+        **specs["eagle"],
+        "num_speculative_tokens": 2,
+        "tree": {"topk": 3, "num_nodes": 5},
+        "draft_sampling": "sample",
+    }
+    counts = []
+    for speculative in (None, spec):
+        with LLM(path, speculative_config=speculative, **{**ENGINE, "max_num_seqs": 256}) as llm:
+            outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+            if speculative is not None:
+                again = llm.generate([prompt], params[:1], use_tqdm=False)
+                assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+                assert llm.get_metrics()["num_draft_tokens"] > 0
+        pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
+        counts.append({p: pairs.count(p) for p in set(pairs)})
+    cells = sorted(set(counts[0]) | set(counts[1]))
+    table = [[c.get(cell, 0) for cell in cells] for c in counts]
+    assert chi2_contingency(table).pvalue > 1e-3
