@@ -33,7 +33,15 @@ def _generate(path, tp, chat=True, **kwargs):
 
 
 def test_smollm2_tp3_equals_tp1(smollm2_path):
-    assert _generate(smollm2_path, 3) == _generate(smollm2_path, 1)
+    """TP=3 speculating with draft trees (the shipped EAGLE-3 head, EAGLE-2 trees of 6
+    nodes) gives TP=1's tokens without speculation."""
+    tree = {
+        "method": "eagle3",
+        "model": "builtin:smollm2-eagle3",
+        "num_speculative_tokens": 3,
+        "tree": {"topk": 2, "num_nodes": 6},
+    }
+    assert _generate(smollm2_path, 3, speculative_config=tree) == _generate(smollm2_path, 1)
 
 
 def test_tiny_tp2_equals_tp1_with_replicated_kv_heads(tmp_path, smollm2_path):

@@ -177,20 +177,22 @@ def _smollm2(path, **engine):
 
 
 def test_smollm2_pipeline_with_drafts_equals_one_stage(smollm2_path, tmp_path):
-    """30 layers: EAGLE-3 reads 2, 15, 27: stages 0/1/1 at PP=2 and 0/1/2 at PP=3."""
+    """30 layers: EAGLE-3 reads 2, 15, 27: stages 0/1/1 at PP=2 and 0/1/2 at PP=3. At PP=2
+    the drafts are trees (EAGLE-2's for EAGLE-3, a static one for EAGLE-1)."""
     reference, _ = _smollm2(smollm2_path)
     assert _smollm2(smollm2_path, pipeline_parallel_size=3)[0] == reference  # speculation off
-    for pp in (2, 3):
+    for pp, tree in ((2, {"topk": 2, "num_nodes": 5}), (3, None)):
         tokens, metrics = _smollm2(
-            smollm2_path, pipeline_parallel_size=pp, speculative_config=EAGLE3
+            smollm2_path, pipeline_parallel_size=pp, speculative_config={**EAGLE3, "tree": tree}
         )
         assert tokens == reference
         assert metrics["num_accepted_tokens"] > 0  # the trained head is right sometimes
     # EAGLE-1 (random head) on the last stage, sharing the embedding it loads there
     eagle = {"method": "eagle", "model": write_eagle(str(tmp_path / "eagle"), smollm2_path)}
+    static = {"paths": [[0], [1], [0, 0], [1, 0]]}
     tokens, metrics = _smollm2(
         smollm2_path,
         pipeline_parallel_size=2,
-        speculative_config={**eagle, "num_speculative_tokens": 2},
+        speculative_config={**eagle, "num_speculative_tokens": 2, "tree": static},
     )
     assert tokens == reference and metrics["num_draft_tokens"] > 0
