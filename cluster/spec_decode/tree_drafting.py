@@ -84,30 +84,24 @@ def _children(
     generators: list[torch.Generator | None],  # [m]
 ) -> tuple[list[list[int]], list[list[float]], torch.Tensor | None]:
     """(tokens per row in draw / rank order, their log-probabilities, q rows or None)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    width = max(counts, default=0)
+    # scores: log-probabilities, at temperature T for rows that sample their drafts
+    scores = torch.log_softmax(logits.float(), dim=-1)  # [m, vocab]
+    keys = scores.clone()  # top-k of keys: by rank, or Gumbel-perturbed (draws in order)
     sampled_rows = [j for j, p in enumerate(params) if sample and not p.is_greedy]
     q = None
-    keys = logp.clone()
     if sampled_rows:
         temps = torch.tensor([max(p.temperature, 1e-6) for p in params], device=logits.device)
         q = torch.softmax(logits.float() / temps[:, None], dim=-1)
         for j in sampled_rows:
+            scores[j] = q[j].log()
             gumbel = -torch.empty_like(q[j]).exponential_(generator=generators[j]).log()
-            keys[j] = q[j].log() + gumbel
-    order = keys.topk(max(width, 1), dim=-1).indices.tolist()
-    if q is not None:
-        logq = q.log()
-        chosen_logp = [
-            [float(logq[j, t]) if j in sampled_rows else float(logp[j, t]) for t in order[j]]
-            for j in range(len(order))
-        ]
-    else:
-        chosen = logp.gather(1, torch.tensor(order, device=logits.device)).tolist()
-        chosen_logp = chosen
+            keys[j] = scores[j] + gumbel
+    order = keys.topk(max(max(counts, default=0), 1), dim=-1).indices  # [m, width]
+    chosen = scores.gather(1, order).tolist()
+    tokens = order.tolist()
     return (
-        [order[j][: counts[j]] for j in range(len(order))],
-        [chosen_logp[j][: counts[j]] for j in range(len(order))],
+        [t[:n] for t, n in zip(tokens, counts, strict=True)],
+        [c[:n] for c, n in zip(chosen, counts, strict=True)],
         q,
     )
 
