@@ -164,7 +164,8 @@ class LLM:
     def get_metrics(self) -> dict[str, object]:
         """Aggregated speculative-decoding statistics (num_drafts, num_draft_tokens,
         num_accepted_tokens, acceptance_rate, mean_acceptance_length,
-        acceptance_per_position) and scheduler counters."""
+        mean_draft_tokens_per_step, acceptance_per_position: per depth for draft trees)
+        and scheduler counters."""
         return self.engine.core.get_metrics()
 
     def shutdown(self) -> None:

@@ -125,8 +125,10 @@ def tiny(tmp_path_factory, smollm2_path):
     return path, {name: specs[name] for name in ("eagle", "eagle3", "mtp_deepseek", "ngram")}
 
 
-@pytest.mark.parametrize("spec", [None, "eagle", "eagle3", "mtp_deepseek", "ngram"])
+@pytest.mark.parametrize("spec", [None, "eagle", "eagle3", "mtp_deepseek", "ngram", "eagle_tree"])
 def test_compiled_engine_equals_eager_on_a_tiny_model(tiny, spec):
+    """(eagle_tree: EAGLE-2 trees; the verification's tree masks and the tree passes'
+    ancestor masks reach the opaque attention op in the compiled graphs.)"""
     compiled_equals_eager(tiny, spec, "cpu")
 
 
@@ -138,7 +140,12 @@ def test_compiled_engine_with_cuda_graphs_equals_eager(tiny, spec):
 
 def compiled_equals_eager(tiny, spec: str | None, device: str) -> None:
     path, specs = tiny
-    spec_config = None if spec is None else {**specs[spec], "num_speculative_tokens": 3}
+    spec_config = None
+    if spec == "eagle_tree":
+        tree = {"topk": 2, "num_nodes": 5}
+        spec_config = {**specs["eagle"], "num_speculative_tokens": 3, "tree": tree}
+    elif spec is not None:
+        spec_config = {**specs[spec], "num_speculative_tokens": 3}
     outputs = {}
     for mode in ("off", "on"):
         with LLM(
@@ -158,7 +165,7 @@ def compiled_equals_eager(tiny, spec: str | None, device: str) -> None:
                 target = runner.target_forward
                 assert target.ready and not target.failed
                 assert target.num_guard_misses == 0  # warm-up built the graphs steps use
-                if spec not in (None, "ngram"):
+                if spec not in (None, "ngram"):  # (trees feed 1..8 nodes per pass)
                     drafts = runner.proposer.forwards
                     assert all(d.ready and d.num_guard_misses == 0 for d in drafts)
     assert outputs["on"] == outputs["off"]

@@ -12,7 +12,7 @@ from cluster.config import ModelConfig, SpeculativeConfig, stage_layer_counts
 from cluster.models.loader import load_draft_head, load_model
 from cluster.parallel import ParallelState
 from cluster.parallel.pipeline import StageActivations
-from cluster.spec_decode.random_heads import write_all, write_eagle
+from cluster.spec_decode.random_heads import write_all, write_deepseek_mtp, write_eagle
 
 TOL = 1e-4
 SEQ_LENS = [3, 9, 1]
@@ -178,7 +178,8 @@ def _smollm2(path, **engine):
 
 def test_smollm2_pipeline_with_drafts_equals_one_stage(smollm2_path, tmp_path):
     """30 layers: EAGLE-3 reads 2, 15, 27: stages 0/1/1 at PP=2 and 0/1/2 at PP=3. At PP=2
-    the drafts are trees (EAGLE-2's for EAGLE-3, a static one for EAGLE-1)."""
+    the drafts are trees (EAGLE-2's for EAGLE-3 and an MTP head, a static one for
+    EAGLE-1)."""
     reference, _ = _smollm2(smollm2_path)
     assert _smollm2(smollm2_path, pipeline_parallel_size=3)[0] == reference  # speculation off
     for pp, tree in ((2, {"topk": 2, "num_nodes": 5}), (3, None)):
@@ -194,5 +195,17 @@ def test_smollm2_pipeline_with_drafts_equals_one_stage(smollm2_path, tmp_path):
         smollm2_path,
         pipeline_parallel_size=2,
         speculative_config={**eagle, "num_speculative_tokens": 2, "tree": static},
+    )
+    assert tokens == reference and metrics["num_draft_tokens"] > 0
+    # a DeepSeek-style MTP head (random, two layers) growing EAGLE-2 trees on the last stage
+    mtp = {"method": "mtp", "model": write_deepseek_mtp(str(tmp_path / "mtp"), smollm2_path)}
+    tokens, metrics = _smollm2(
+        smollm2_path,
+        pipeline_parallel_size=2,
+        speculative_config={
+            **mtp,
+            "num_speculative_tokens": 3,
+            "tree": {"topk": 3, "num_nodes": 7},
+        },
     )
     assert tokens == reference and metrics["num_draft_tokens"] > 0
