@@ -95,8 +95,9 @@ class TreeRejectionSampler:
             full = torch.zeros_like(target)
             start = 0
             for tree, q in zip(trees, draft_probs, strict=True):
-                if q is not None:
-                    full[start : start + tree.num_nodes + 1] = q[: tree.num_nodes + 1]
+                if q is not None:  # (a chain's: one row per draft, no leaf row)
+                    rows_q = q[: tree.num_nodes + 1]
+                    full[start : start + rows_q.shape[0]] = rows_q
                 start += tree.num_nodes + 1
             has_q = torch.tensor([q is not None for q in draft_probs], device=device)
         verified = tree_rejection_sample(
