@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.architectures import RECURRENT_ARCHITECTURES
 from cluster.checkpoints import checkpoint_tensor_shapes
-from cluster.spec_decode.tree import max_tree_nodes
+from cluster.draft_tree import max_tree_nodes
 
 Method = Literal["eagle", "eagle3", "mtp", "ngram", "draft_model"]
 DraftKind = Literal[

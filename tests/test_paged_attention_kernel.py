@@ -18,9 +18,9 @@ from itertools import pairwise
 import pytest
 import torch
 
+from cluster.draft_tree import DraftTree
 from cluster.kernels.paged_attention import paged_attention_ref, write_kv_ref
 from cluster.kernels.paged_attention_triton import paged_attention_triton, write_kv_triton
-from cluster.spec_decode.tree import DraftTree
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ATOL = RTOL = 1e-5  # float32

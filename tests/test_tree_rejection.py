@@ -15,13 +15,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from cluster.draft_tree import DraftTree
 from cluster.sample import tree_rejection
 from cluster.sample.tree_rejection import (
     TreeRejectionInputs,
     tree_rejection_sample,
     tree_rejection_sample_loop,
 )
-from cluster.spec_decode.tree import DraftTree
 
 VOCAB = 5
 TRIALS = 200_000

@@ -19,8 +19,8 @@ from steered_proposer import SteeredTreeProposer
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
+from cluster.draft_tree import Candidate, select_tree
 from cluster.spec_decode.random_heads import write_all
-from cluster.spec_decode.tree import Candidate, select_tree
 
 NEW_TOKENS = 20
 PROMPTS = [

@@ -37,7 +37,7 @@ class ScheduledRequest:
     new_block_ids: list[int]  # blocks appended to the request's block table this step
     sample: bool  # False while a prompt is only partly computed: no token is sampled
     # Draft trees: the parent of each draft (-1: the token before the drafts), None for a
-    # chain (`cluster.spec_decode.tree`)
+    # chain (`cluster.draft_tree`)
     spec_parents: list[int] | None = None
 
 

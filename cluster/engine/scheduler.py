@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 
 from cluster.config import SchedulerConfig
+from cluster.draft_tree import DraftTree
 from cluster.engine.block_manager import KVBlockManager
 from cluster.engine.messages import (
     EngineCoreOutput,
@@ -31,7 +32,6 @@ from cluster.engine.messages import (
 )
 from cluster.engine.metrics import SpecDecodingStats
 from cluster.engine.request import FinishReason, Request, RequestStatus
-from cluster.spec_decode.tree import DraftTree
 
 
 class Scheduler:

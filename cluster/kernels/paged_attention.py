@@ -9,7 +9,7 @@ Layout:
 New token j of sequence i sits at position `seq_lens[i] - q_len_i + j` and attends to every
 key at or before it. Grouped-query heads: query head h reads KV head `h // (H // KVH)`.
 
-Draft trees (`cluster.spec_decode.tree`): `tree_bits[t]` (int64, one per new token) says
+Draft trees (`cluster.draft_tree`): `tree_bits[t]` (int64, one per new token) says
 which keys from its sequence's `tree_starts[i]` on token t may see: bit m for the key at
 `tree_starts[i] + m` (by default `tree_starts[i]` is the first new token). Keys before
 that are always visible, and causality still holds, so -1 (every bit) is plain causal

@@ -1,4 +1,4 @@
-"""Lossless verification of draft trees (`cluster.spec_decode.tree.DraftTree`).
+"""Lossless verification of draft trees (`cluster.draft_tree.DraftTree`).
 
 Walking down from the root, at each node the target's distribution `p` there decides
 among the node's children, tried in order (the recursive rule of SpecInfer / EAGLE /
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.spec_decode.tree import DraftTree
+from cluster.draft_tree import DraftTree
 
 PLACEHOLDER = -1
 

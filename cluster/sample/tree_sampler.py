@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.draft_tree import DraftTree
 from cluster.sample.logprobs import Logprobs, compute_logprobs
 from cluster.sample.metadata import LogitsRows, SamplingMetadata
 from cluster.sample.processing import process_logits, sampling_distribution
@@ -27,7 +28,6 @@ from cluster.sample.tree_rejection import (
     TreeRejectionInputs,
     tree_rejection_sample,
 )
-from cluster.spec_decode.tree import DraftTree
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ class DraftProposal:
     # tree [n_i + 1, vocab]: the root's row, then each node's), or None where drafts are
     # argmax / deltas.
     probs: list[torch.Tensor | None]
-    # [batch] each draft's parent when the drafts form a tree (`cluster.spec_decode.tree`);
+    # [batch] each draft's parent when the drafts form a tree (`cluster.draft_tree`);
     # None: chains.
     parents: list[list[int] | None] | None = None
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.draft_tree import Candidate, DraftTree, select_tree
 from cluster.models.attention import AttentionMetadata, KVCache, attention_context
 from cluster.sampling_params import SamplingParams
-from cluster.spec_decode.tree import Candidate, DraftTree, select_tree
 
 # forward(input_ids [m], hidden [m, H] | None, positions [m], step)
 #   -> (logits [m, vocab], next hidden | None); run inside the pass's attention context.

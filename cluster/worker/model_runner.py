@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from cluster.draft_tree import DraftTree
 from cluster.engine.messages import (
     ModelRunnerOutput,
     NewRequestData,
@@ -42,7 +43,6 @@ from cluster.sample.randomness import draft_seed
 from cluster.sample.tree_sampler import TreeRejectionSampler
 from cluster.sampling_params import SamplingParams
 from cluster.spec_decode.batch import ProposalBatch, Proposer
-from cluster.spec_decode.tree import DraftTree
 from cluster.worker.input_batch import ModelInputs, prepare_inputs
 from cluster.worker.kv_cache import PagedKVCache
 from cluster.worker.state_cache import RecurrentStateCache
