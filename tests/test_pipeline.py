@@ -181,7 +181,6 @@ def test_smollm2_pipeline_with_drafts_equals_one_stage(smollm2_path, tmp_path):
     the drafts are trees (EAGLE-2's for EAGLE-3 and an MTP head, a static one for
     EAGLE-1)."""
     reference, _ = _smollm2(smollm2_path)
-    assert _smollm2(smollm2_path, pipeline_parallel_size=3)[0] == reference  # speculation off
     for pp, tree in ((2, {"topk": 2, "num_nodes": 5}), (3, None)):
         tokens, metrics = _smollm2(
             smollm2_path, pipeline_parallel_size=pp, speculative_config={**EAGLE3, "tree": tree}

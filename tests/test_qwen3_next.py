@@ -238,14 +238,14 @@ def test_mtp_speculation_is_lossless(target, baseline, engine):
 
 @pytest.mark.slow
 def test_compiled_engine_equals_eager(target, baseline):
-    """Every bucket compiles with the recurrent op opaque, like attention; the MTP head's
-    forwards compile too."""
+    """One 16-row graph runs every step (prefill chunks, decode, verification with state
+    snapshots: the recurrent op is opaque, like attention) and every MTP pass."""
     path, _, spec = target
     with LLM(
         path,
         speculative_config={**spec, "num_speculative_tokens": 2},
         compile="on",
-        compile_sizes=(1, 4),  # decode, and verification of 2 drafts (padded from 3)
+        compile_sizes=(16,),  # one graph each: every step (<= 9 rows) and draft pass pads to it
         compile_autotune=False,
         **ENGINE,
     ) as llm:

@@ -204,7 +204,7 @@ def test_trees_after_partial_acceptance_equal_a_recompute(target, baseline, kind
 
 
 def test_sampled_trees_keep_the_target_distribution(target):
-    """600 seeded requests, top-k 5 at temperature 1: the first two tokens (the second
+    """400 seeded requests, top-k 5 at temperature 1: the first two tokens (the second
     verified against a tree of sampled siblings: with one token left, the tree keeps its
     first depth) are distributed as without speculation (two-sample chi-square on the
     joint, p > 1e-3); a seeded request repeats itself."""
@@ -214,7 +214,7 @@ def test_sampled_trees_keep_the_target_distribution(target):
     prompt = {"prompt_token_ids": PROMPTS[3]}
     params = [
         SamplingParams(temperature=1.0, top_k=5, max_tokens=3, ignore_eos=True, seed=s)
-        for s in range(600)
+        for s in range(400)
     ]
     spec = {
         **specs["eagle"],
@@ -224,7 +224,11 @@ def test_sampled_trees_keep_the_target_distribution(target):
     }
     counts = []
     for speculative in (None, spec):
-        with LLM(path, speculative_config=speculative, **{**ENGINE, "max_num_seqs": 256}) as llm:
+        with LLM(
+            path,
+            speculative_config=speculative,
+            **{**ENGINE, "max_num_seqs": 400, "num_kv_blocks": 1200},
+        ) as llm:
             outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
             if speculative is not None:
                 again = llm.generate([prompt], params[:1], use_tqdm=False)
