@@ -353,9 +353,7 @@ class Scheduler:
         if parents is None:
             request.set_drafts(list(drafts[: max(0, depth_room)]))
             return
-        depths: list[int] = []
-        for parent in parents:
-            depths.append(1 if parent < 0 else depths[parent] + 1)
+        depths = DraftTree(tuple(drafts), tuple(parents)).depths
         # nodes come parents first, so a prefix of them is a tree
         count = 0
         while count < min(len(drafts), room) and depths[count] <= depth_room:

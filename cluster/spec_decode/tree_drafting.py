@@ -240,31 +240,25 @@ def _pass_metadata(
     kv_cache: KVCache,
     device: torch.device,
 ) -> AttentionMetadata:
-    """One sequence per request: its nodes fed in this pass are the new tokens (at
-    sequence index root + 1 + feed order), attending to the context, the root and their
-    fed ancestors."""
+    """One sequence per request (`feeding` holds each request's nodes together): its
+    nodes fed in this pass are the new tokens (at sequence index root + 1 + feed order),
+    attending to the context, the root and their fed ancestors."""
     starts, seq_lens, slots, bits, tree_starts, seqs = [0], [], [], [], [], []
     tables = block_tables.tolist()
-    by_request: dict[int, list[int]] = {}
-    for r, c in feeding:
-        by_request.setdefault(r.row, []).append(c)
-    for r, c in feeding:
-        if r.row in seqs:
-            continue
-        seqs.append(r.row)
-        nodes = by_request[r.row]
-        for node in nodes:
-            index = r.root_index + 1 + r.fed_index[node]
-            slots.append(tables[r.row][index // block_size] * block_size + index % block_size)
-            mask = 1  # the root
-            for a in r.ancestors(node):
-                mask |= 1 << (1 + r.fed_index[a])
-            bits.append(mask)
-        starts.append(starts[-1] + len(nodes))
-        seq_lens.append(r.root_index + 1 + max(r.fed_index[c] for c in nodes) + 1)
-        tree_starts.append(r.root_index)
-    order = [c for row in seqs for c in by_request[row]]
-    assert len(order) == len(feeding)
+    for r, node in feeding:
+        if not seqs or seqs[-1] != r.row:  # the request's first node: a new sequence
+            seqs.append(r.row)
+            starts.append(starts[-1])
+            seq_lens.append(0)
+            tree_starts.append(r.root_index)
+        index = r.root_index + 1 + r.fed_index[node]
+        slots.append(tables[r.row][index // block_size] * block_size + index % block_size)
+        mask = 1  # the root
+        for a in r.ancestors(node):
+            mask |= 1 << (1 + r.fed_index[a])
+        bits.append(mask)
+        starts[-1] += 1
+        seq_lens[-1] = index + 1
 
     def ints(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
