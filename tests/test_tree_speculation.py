@@ -204,7 +204,7 @@ def test_trees_after_partial_acceptance_equal_a_recompute(target, baseline, kind
 
 
 def test_sampled_trees_keep_the_target_distribution(target):
-    """400 seeded requests, top-k 5 at temperature 1: the first two tokens (the second
+    """300 seeded requests, top-k 5 at temperature 1: the first two tokens (the second
     verified against a tree of sampled siblings: with one token left, the tree keeps its
     first depth) are distributed as without speculation (two-sample chi-square on the
     joint, p > 1e-3); a seeded request repeats itself."""
@@ -214,7 +214,7 @@ def test_sampled_trees_keep_the_target_distribution(target):
     prompt = {"prompt_token_ids": PROMPTS[3]}
     params = [
         SamplingParams(temperature=1.0, top_k=5, max_tokens=3, ignore_eos=True, seed=s)
-        for s in range(400)
+        for s in range(300)
     ]
     spec = {
         **specs["eagle"],

@@ -30,6 +30,7 @@ import torch
 
 from cluster.draft_tree import Candidate, DraftTree, select_tree
 from cluster.models.attention import AttentionMetadata, KVCache, attention_context
+from cluster.sample.randomness import draw_inv_exponentials
 from cluster.sampling_params import SamplingParams
 
 # forward(input_ids [m], hidden [m, H] | None, positions [m], step)
@@ -92,10 +93,16 @@ def _children(
     if sampled_rows:
         temps = torch.tensor([max(p.temperature, 1e-6) for p in params], device=logits.device)
         q = torch.softmax(logits.float() / temps[:, None], dim=-1)
-        for j in sampled_rows:
-            scores[j] = q[j].log()
-            gumbel = -torch.empty_like(q[j]).exponential_(generator=generators[j]).log()
-            keys[j] = scores[j] + gumbel
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        # Gumbel noise log(1 / E), E ~ Exp(1), from each request's own generator
+        inv_exp = draw_inv_exponentials(
+            [j in sampled_rows for j in range(len(params))],
+            {j: g for j, g in enumerate(generators) if g is not None},
+            q.shape[1],
+            q.device,
+        )
+        scores[rows] = q[rows].log()
+        keys[rows] = scores[rows] + inv_exp[rows].log()
     order = keys.topk(max(max(counts, default=0), 1), dim=-1).indices  # [m, width]
     chosen = scores.gather(1, order).tolist()
     tokens = order.tolist()
