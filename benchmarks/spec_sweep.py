@@ -42,6 +42,20 @@ def run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, dic
     return tps, {k: after.get(k, 0) - before.get(k, 0) for k in keys}
 
 
+def heldout_chats(llm: LLM, n: int) -> list[list[int]]:
+    """Token ids of the first `n` held-out questions in the chat template."""
+    tokenizer = llm.get_tokenizer()
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        for q in build_prompts()[1][:n]
+    ]
+
+
 def row(method: str, k: int | str, batch: int, tps: float, base: float, d: dict) -> dict:
     rate = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
     mal = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 1.0
@@ -133,16 +147,7 @@ def main() -> None:
     methods = [m for m in specs if args.methods is None or m.split()[0] in args.methods]
     engine = dict(dtype="float32", max_model_len=512, max_num_seqs=max(args.batches))
     with LLM(path, **engine) as llm:
-        tokenizer = llm.get_tokenizer()
-        chats = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-            for q in build_prompts()[1][: max(args.batches)]
-        ]
+        chats = heldout_chats(llm, max(args.batches))
         batches = {b: chats[:b] for b in args.batches}
         run(llm, batches[args.batches[0]], 4)  # warm-up
         baseline = {b: run(llm, p, args.new_tokens)[0] for b, p in batches.items()}

@@ -16,30 +16,18 @@ import argparse
 import json
 import os
 import statistics
-import time
 import warnings
 
-from cluster import LLM, SamplingParams
+from spec_sweep import heldout_chats, run  # (benchmarks/, next to this script)
+
+from cluster import LLM
 from cluster.models.default_model import ensure_default_model
 from cluster.speculative_config import builtin_head_path
-from cluster.train.prompts import build_prompts
 
 warnings.filterwarnings("ignore")
 
 # budget -> (tree depth, topk)
 TREES = {4: (3, 2), 8: (4, 3), 16: (5, 4)}
-
-
-def run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, dict]:
-    """(tokens/s, metric deltas) of one greedy batch."""
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    before = llm.get_metrics()
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    tps = len(prompts) * new_tokens / (time.perf_counter() - start)
-    after = llm.get_metrics()
-    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-    return tps, {k: after.get(k, 0) - before.get(k, 0) for k in keys}
 
 
 def interleaved(off: LLM, spec: LLM, prompts: list[list[int]], rounds: int, new_tokens: int):
@@ -72,16 +60,7 @@ def main() -> None:
     engine = dict(dtype="float32", max_model_len=512, max_num_seqs=max(args.batches))
     rows = []
     with LLM(path, **engine) as off:
-        tokenizer = off.get_tokenizer()
-        chats = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-            for q in build_prompts()[1][: max(args.batches)]
-        ]
+        chats = heldout_chats(off, max(args.batches))
         run(off, chats[:1], 4)  # warm-up
         for budget in args.budgets:
             depth, topk = TREES[budget]

@@ -86,9 +86,11 @@ def make_batch(
     }
 
 
-def run_triton(batch: dict) -> torch.Tensor:
+def run_triton(batch: dict, tree_bits=None, tree_starts=None) -> torch.Tensor:
     """The Triton kernel on a `make_batch` batch (lists become int32 tensors)."""
     device = batch["q"].device
+    if tree_starts is not None:
+        tree_starts = torch.tensor(tree_starts, dtype=torch.int32, device=device)
     return paged_attention_triton(
         batch["q"],
         batch["k_cache"],
@@ -98,6 +100,8 @@ def run_triton(batch: dict) -> torch.Tensor:
         torch.tensor(batch["query_start_loc"], dtype=torch.int32, device=device),
         batch["scale"],
         max_query_len=max(b - a for a, b in pairwise(batch["query_start_loc"])),
+        tree_bits=tree_bits,
+        tree_starts=tree_starts,
     )
 
 
@@ -262,18 +266,7 @@ def test_tree_masks_match_a_dense_oracle(block_size):
     bits = _tree_bits(batch, trees)
     want = _dense_tree_attention(batch, bits)
     ref = paged_attention_ref(**batch, tree_bits=bits)
-    device = batch["q"].device
-    got = paged_attention_triton(
-        batch["q"],
-        batch["k_cache"],
-        batch["v_cache"],
-        batch["block_tables"],
-        torch.tensor(batch["seq_lens"], dtype=torch.int32, device=device),
-        torch.tensor(batch["query_start_loc"], dtype=torch.int32, device=device),
-        batch["scale"],
-        max_query_len=max(b - a for a, b in pairwise(batch["query_start_loc"])),
-        tree_bits=bits,
-    )
+    got = run_triton(batch, bits)
     torch.testing.assert_close(ref, want, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     # the trees changed something: plain causal attention differs on their rows
@@ -297,18 +290,6 @@ def test_tree_masks_can_start_before_the_new_tokens(block_size):
     bits = torch.tensor(rows, dtype=torch.int64, device=batch["q"].device)
     want = _dense_tree_attention(batch, bits, starts)
     ref = paged_attention_ref(**batch, tree_bits=bits, tree_starts=starts)
-    device = batch["q"].device
-    got = paged_attention_triton(
-        batch["q"],
-        batch["k_cache"],
-        batch["v_cache"],
-        batch["block_tables"],
-        torch.tensor(batch["seq_lens"], dtype=torch.int32, device=device),
-        torch.tensor(batch["query_start_loc"], dtype=torch.int32, device=device),
-        batch["scale"],
-        max_query_len=max(q_lens),
-        tree_bits=bits,
-        tree_starts=torch.tensor(starts, dtype=torch.int32, device=device),
-    )
+    got = run_triton(batch, bits, starts)
     torch.testing.assert_close(ref, want, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)

@@ -1,4 +1,5 @@
-"""Drafting steps 2..k, shared by the EAGLE-family and draft-model proposers.
+"""Drafting steps 2..k, shared by the EAGLE-family and draft-model proposers (chains here;
+trees through `tree_drafting.grow_trees`, both behind `draft_from_roots`).
 
 After pass 0 each drafting request has one draft token, the position it follows and
 (for EAGLE) a hidden state. Every further pass feeds the previous draft token at the next
@@ -16,6 +17,8 @@ import torch
 from cluster.models.attention import AttentionMetadata, KVCache, attention_context
 from cluster.sample.randomness import draw_inv_exponentials
 from cluster.sampling_params import SamplingParams
+from cluster.spec_decode.batch import DraftProposal, ProposalBatch
+from cluster.spec_decode.tree_drafting import TreeShape, grow_trees
 
 # forward(input_ids [n], hidden [n, H] | None, positions [n], step)
 #   -> (logits [n, vocab], next hidden | None); run inside the step's attention context.
@@ -117,3 +120,45 @@ def run_chain(
         torch.stack(p) if p and len(p) == len(d) else None
         for p, d in zip(probs, drafts, strict=True)
     ]
+
+
+def draft_from_roots(
+    step_fn: StepFn,
+    batch: ProposalBatch,
+    drafting: list[int],  # batch indices of the requests that draft, in root order
+    root_logits: torch.Tensor,  # [n, vocab] the draft's logits after each root
+    root_hidden: torch.Tensor | None,  # [n, H] the hidden state the next pass continues
+    root_indices: list[int],  # [n] position of each root (the token draft 1 follows)
+    block_size: int,
+    kv_cache: KVCache,
+    k: int,
+    sample: bool,
+    tree: TreeShape | None,
+) -> DraftProposal:
+    """Every drafting request's drafts after pass 0: a chain (`run_chain`) or a tree
+    (`grow_trees`), placed at its batch index; the others get none."""
+    proposal = DraftProposal([[] for _ in batch.sampled], [None] * len(batch.sampled))
+    params = [batch.params[i] for i in drafting]
+    generators = {
+        j: batch.draft_generators[i] for j, i in enumerate(drafting) if i in batch.draft_generators
+    }
+    tables = batch.block_tables[drafting]
+    num_blocks = [batch.num_blocks[i] for i in drafting]
+    if tree is not None:
+        trees, probs = grow_trees(
+            step_fn, root_logits, root_hidden, root_indices, tables, num_blocks, block_size,
+            kv_cache, params, generators, sample, tree,
+        )  # fmt: skip
+        proposal.parents = [None] * len(batch.sampled)
+        for j, i in enumerate(drafting):
+            proposal.token_ids[i], proposal.probs[i] = list(trees[j].tokens), probs[j]
+            proposal.parents[i] = list(trees[j].parents)
+        return proposal
+    tokens, first_probs = choose_tokens(root_logits, params, sample, generators)
+    drafts, draft_probs = run_chain(
+        step_fn, tokens, first_probs, root_hidden, root_indices, tables, num_blocks,
+        block_size, kv_cache, params, generators, k, sample,
+    )  # fmt: skip
+    for j, i in enumerate(drafting):
+        proposal.token_ids[i], proposal.probs[i] = drafts[j], draft_probs[j]
+    return proposal

@@ -13,8 +13,8 @@ from torch import nn
 
 from cluster.models.attention import AttentionMetadata, KVCache, attention_context
 from cluster.spec_decode.batch import DraftProposal, ProposalBatch
-from cluster.spec_decode.chain import choose_tokens, run_chain
-from cluster.spec_decode.tree_drafting import TreeShape, grow_trees
+from cluster.spec_decode.chain import draft_from_roots
+from cluster.spec_decode.tree_drafting import TreeShape
 
 
 class DraftModelProposer:
@@ -77,60 +77,25 @@ class DraftModelProposer:
         )
         with attention_context(meta):
             hidden = self.model(tensor(ids), meta.positions)
-        result = DraftProposal([[] for _ in batch.sampled], [None] * len(batch.sampled))
         k = self.k if batch.num_drafts is None else min(self.k, batch.num_drafts)
         drafting = [i for i, s in enumerate(batch.sampled) if s and batch.num_valid[i]]
         if not drafting or k == 0:
-            return result
+            return DraftProposal([[] for _ in batch.sampled], [None] * len(batch.sampled))
         last_rows = tensor([starts[i + 1] - 1 for i in drafting])
-        params = [batch.params[i] for i in drafting]
-        generators = {
-            j: batch.draft_generators[i]
-            for j, i in enumerate(drafting)
-            if i in batch.draft_generators
-        }
-        root_logits = self.model.compute_logits(hidden[last_rows])
 
         def step_fn(tokens, hidden, positions, step):
             return self.model.compute_logits(self.model(tokens, positions)), None
 
-        if self.tree is not None:
-            trees, tree_probs = grow_trees(
-                step_fn,
-                root_logits,
-                None,
-                [positions[starts[i + 1] - 1] for i in drafting],
-                batch.block_tables[drafting],
-                [batch.num_blocks[i] for i in drafting],
-                self.block_size,
-                self.kv_cache,
-                params,
-                generators,
-                self.sample,
-                self.tree,
-            )
-            result.parents = [None] * len(batch.sampled)
-            for j, i in enumerate(drafting):
-                result.token_ids[i], result.probs[i] = list(trees[j].tokens), tree_probs[j]
-                result.parents[i] = list(trees[j].parents)
-            return result
-        tokens, probs = choose_tokens(root_logits, params, self.sample, generators)
-
-        drafts, draft_probs = run_chain(
+        return draft_from_roots(
             step_fn,
-            tokens,
-            probs,
+            batch,
+            drafting,
+            self.model.compute_logits(hidden[last_rows]),
             None,
             [positions[starts[i + 1] - 1] for i in drafting],
-            batch.block_tables[drafting],
-            [batch.num_blocks[i] for i in drafting],
             self.block_size,
             self.kv_cache,
-            params,
-            generators,
             k,
             self.sample,
+            self.tree,
         )
-        for j, i in enumerate(drafting):
-            result.token_ids[i], result.probs[i] = drafts[j], draft_probs[j]
-        return result

@@ -17,8 +17,8 @@ from cluster.models.attention import AttentionMetadata, KVCache, attention_conte
 from cluster.models.compiled import CompiledForward, CompileOptions
 from cluster.models.draft_base import DraftModel
 from cluster.spec_decode.batch import DraftProposal, ProposalBatch
-from cluster.spec_decode.chain import choose_tokens, run_chain
-from cluster.spec_decode.tree_drafting import TreeShape, grow_trees
+from cluster.spec_decode.chain import draft_from_roots
+from cluster.spec_decode.tree_drafting import TreeShape
 
 
 def shifted_input_ids(batch: ProposalBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,61 +108,27 @@ class EagleProposer:
 
         k = self.k if batch.num_drafts is None else min(self.k, batch.num_drafts)
         drafting = [i for i, s in enumerate(batch.sampled) if s and batch.num_valid[i]]
-        empty = DraftProposal([[] for _ in batch.sampled], [None] * len(batch.sampled))
         if not drafting or k == 0:
-            return empty
+            return DraftProposal([[] for _ in batch.sampled], [None] * len(batch.sampled))
         last_rows = torch.tensor([starts[i + 1] - 1 for i in drafting], device=ids.device)
-        params = [batch.params[i] for i in drafting]
-        generators = {
-            j: batch.draft_generators[i]
-            for j, i in enumerate(drafting)
-            if i in batch.draft_generators
-        }
-        logits = self.draft.compute_logits(logits_hidden[last_rows], 0)
 
         def step_fn(tokens, hidden, positions, step):
             logits_hidden, next_hidden = self._forward(tokens, hidden, positions, step)
             return self.draft.compute_logits(logits_hidden, step), next_hidden
 
-        if self.tree is not None:
-            trees, tree_probs = grow_trees(
-                step_fn,
-                logits,
-                next_hidden[last_rows],
-                [batch.num_computed[i] + batch.num_valid[i] - 1 for i in drafting],
-                batch.block_tables[drafting],
-                [batch.num_blocks[i] for i in drafting],
-                self.block_size,
-                self.kv_cache,
-                params,
-                generators,
-                self.sample,
-                self.tree,
-            )
-            empty.parents = [None] * len(batch.sampled)
-            for j, i in enumerate(drafting):
-                empty.token_ids[i], empty.probs[i] = list(trees[j].tokens), tree_probs[j]
-                empty.parents[i] = list(trees[j].parents)
-            return empty
-        tokens, probs = choose_tokens(logits, params, self.sample, generators)
-        drafts, draft_probs = run_chain(
+        return draft_from_roots(
             step_fn,
-            tokens,
-            probs,
+            batch,
+            drafting,
+            self.draft.compute_logits(logits_hidden[last_rows], 0),
             next_hidden[last_rows],
             [batch.num_computed[i] + batch.num_valid[i] - 1 for i in drafting],
-            batch.block_tables[drafting],
-            [batch.num_blocks[i] for i in drafting],
             self.block_size,
             self.kv_cache,
-            params,
-            generators,
             k,
             self.sample,
+            self.tree,
         )
-        for j, i in enumerate(drafting):
-            empty.token_ids[i], empty.probs[i] = drafts[j], draft_probs[j]
-        return empty
 
     def _write_later_layers(
         self,
