@@ -128,6 +128,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="each a forward and a reverse pass")
     parser.add_argument("--num-cpus", type=float, default=None, help="for a local Ray")
     parser.add_argument(
+        "--stream-chunks-per-s", type=float, help="server.stream_chunks_per_s (the manifest's)"
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="torch threads, here and per worker actor"
     )
     args = parser.parse_args()
@@ -144,6 +147,8 @@ def main() -> None:
     )
     if args.no_spec:
         manifest = manifest.with_args(speculative=None)
+    if args.stream_chunks_per_s:
+        manifest = manifest.with_args(server={"stream_chunks_per_s": args.stream_chunks_per_s})
     if args.model:
         manifest = manifest.with_args(
             model={"path": args.model, "id": "model", "max_model_len": None}

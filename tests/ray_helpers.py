@@ -62,4 +62,4 @@ def build_llm_app(args: Any) -> Any:
     """Only the `LLMServer` deployment of `args` (the handle API, no HTTP routes)."""
     from cluster.serve.builder import llm_app, prepare_args
 
-    return llm_app(prepare_args(args), None)
+    return llm_app(prepare_args(args), http=False)

@@ -109,7 +109,8 @@ BAD = {
         {"num_cpus": 4},
         "derived from args.parallel",
     ),
-    "unknown_deployment": ((*APP, "deployments", 1, "name"), "Router", "unknown deployment"),
+    "unknown_deployment": ((*APP, "deployments", 0, "name"), "Router", "unknown deployment"),
+    "former_ingress": ((*APP, "deployments", 0, "name"), "OpenAIIngress", "serve the OpenAI"),
     "not_our_builder": ((*APP, "import_path"), "other.module:app", "exactly one application"),
     "bad_serve_option": ((*APP, "deployments", 0, "num_replicas"), -3, "not a valid Serve"),
 }

@@ -225,26 +225,27 @@ def test_frozen_worker_makes_health_check_report_a_stalled_step(ray_session, tin
         client.shutdown()
 
 
-def test_stream_outputs_merge_within_the_interval():
-    class Out:
-        def __init__(self, n, finished=False):
-            self.n, self.finished = n, finished
+class _Out:
+    def __init__(self, n, finished=False):
+        self.n, self.finished = n, finished
 
+
+def test_newest_merges_until_its_deadline():
     async def main():
         queue = asyncio.Queue()
         for n in range(3):
-            queue.put_nowait(Out(n))
+            queue.put_nowait(_Out(n))
         assert (await _newest(queue, 0.0)).n == 2  # what is already there merges at once
         loop = asyncio.get_running_loop()
-        loop.call_later(0.05, queue.put_nowait, Out(3))
-        loop.call_later(0.10, queue.put_nowait, Out(4, finished=True))
-        loop.call_later(0.15, queue.put_nowait, Out(5))
+        loop.call_later(0.05, queue.put_nowait, _Out(3))
+        loop.call_later(0.10, queue.put_nowait, _Out(4, finished=True))
+        loop.call_later(0.15, queue.put_nowait, _Out(5))
         start = time.monotonic()
-        final = await _newest(queue, 10.0)
+        final = await _newest(queue, loop.time() + 10.0)
         assert (final.n, final.finished) == (4, True)  # a final output ends the wait
         assert time.monotonic() - start < 1.0
         queue.put_nowait(RuntimeError("dead"))
-        assert isinstance(await _newest(queue, 10.0), RuntimeError)
+        assert isinstance(await _newest(queue, loop.time() + 10.0), RuntimeError)
 
     asyncio.run(main())
 
@@ -252,10 +253,6 @@ def test_stream_outputs_merge_within_the_interval():
 def test_a_stream_asks_its_interval_after_each_output():
     """`stream_outputs` with a function: asked once per yielded output, and the waits it
     returns decide what merges (0: each output alone; long: merged to the final one)."""
-
-    class Out:
-        def __init__(self, n, finished=False):
-            self.n, self.finished = n, finished
 
     async def main(waits):
         queue, asked = asyncio.Queue(), []
@@ -266,12 +263,36 @@ def test_a_stream_asks_its_interval_after_each_output():
 
         loop = asyncio.get_running_loop()
         for n in range(4):
-            loop.call_later(0.03 * n, queue.put_nowait, Out(n, finished=n == 3))
+            loop.call_later(0.03 * n, queue.put_nowait, _Out(n, finished=n == 3))
         seen = [out.n async for out in stream_outputs(queue, interval)]
         return seen, len(asked)
 
     assert asyncio.run(main([0.0, 0.0, 0.0])) == ([0, 1, 2, 3], 3)
     assert asyncio.run(main([10.0])) == ([0, 3], 1)
+
+
+def test_a_stream_is_rate_limited_not_delayed():
+    """Outputs slower than the interval go out as they arrive (none waits for the
+    interval); outputs faster than it are merged to about one per interval."""
+
+    async def main(gap_s, count, interval_s):
+        queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for n in range(count):
+            loop.call_later(gap_s * n, queue.put_nowait, _Out(n, finished=n == count - 1))
+        return [
+            (out.n, loop.time() - start - gap_s * out.n)
+            async for out in stream_outputs(queue, interval_s)
+        ]
+
+    slow = asyncio.run(main(0.1, 5, 0.05))
+    assert [n for n, _ in slow] == [0, 1, 2, 3, 4]
+    assert max(delay for _, delay in slow) < 0.04  # none held back by the 50 ms interval
+    fast = asyncio.run(main(0.01, 30, 0.1))  # 300 ms of outputs, one chunk per 100 ms
+    assert fast[0][0] == 0 and fast[-1][0] == 29
+    assert 3 <= len(fast) <= 6
+    assert max(delay for _, delay in fast) < 0.15  # a merged output waits one interval at most
 
 
 def test_an_abort_that_overtakes_its_add_drops_the_request(ray_session, tiny):

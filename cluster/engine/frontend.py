@@ -198,30 +198,35 @@ async def stream_outputs(
     queue: asyncio.Queue, interval_s: float | Callable[[], float] = 0.0
 ) -> AsyncIterator[Any]:
     """A stream's outputs (cumulative) until the finished one; an exception put in the
-    queue is raised. The first output comes as soon as it exists; after each, outputs
-    that arrive within `interval_s` (a number, or a function asked each time) are merged
-    (only the newest is yielded), so a stream costs fewer messages downstream."""
-    wait_s = 0.0
+    queue is raised. Outputs go out at most once per `interval_s` (a number, or a function
+    asked after each output): one that arrives later than that after the previous goes
+    out at once, and those that arrive sooner are merged (only the newest is yielded,
+    at the end of the interval), so a stream costs fewer messages downstream without
+    delaying a token when outputs come slower than the interval. The first and the
+    final output never wait."""
+    loop = asyncio.get_running_loop()
+    not_before = -inf
     while True:
-        item = await _newest(queue, wait_s)
+        item = await _newest(queue, not_before)
         if isinstance(item, BaseException):
             raise item
         yield item
         if item.finished:
             return
         wait_s = interval_s() if callable(interval_s) else interval_s
+        not_before = loop.time() + wait_s
 
 
-async def _newest(queue: asyncio.Queue, wait_s: float) -> Any:
-    """The next item, then for up to `wait_s` any newer ones (stopping at a final one)."""
+async def _newest(queue: asyncio.Queue, not_before: float) -> Any:
+    """The next item, then any newer ones that arrive until the loop's time `not_before`
+    (stopping at a final one or an exception)."""
     loop = asyncio.get_running_loop()
     item = await queue.get()
-    deadline = loop.time() + wait_s
     while not (isinstance(item, BaseException) or item.finished):
         if not queue.empty():
             item = queue.get_nowait()
             continue
-        remaining = deadline - loop.time()
+        remaining = not_before - loop.time()
         if remaining <= 0:
             break
         try:

@@ -62,7 +62,7 @@ class ServerArgs(_Frozen):
     health_timeout_s: float = Field(default=10.0, gt=0)
 
     def resolved_api_key(self) -> str | None:
-        """The key (read where the ingress runs); a named but unset variable is an error,
+        """The key (read where each replica runs); a named but unset variable is an error,
         never a silently open server."""
         if self.api_key is not None or self.api_key_env is None:
             return self.api_key

@@ -2,12 +2,12 @@
 
 Validates `args` completely before anything starts: the schema (unknown keys, k = 0,
 placement) and, through the engine's own config, the model (TP dividing the heads,
-context length, KV room). Only then does it return the Serve application:
+context length, KV room). Only then does it return the Serve application: one
+deployment, `LLMServer` (one engine per replica), which serves the OpenAI routes itself
+(HTTP proxy -> replica) and answers handle calls (`generate`, `stats`, ...).
 
-    OpenAIIngress (FastAPI, HTTP) --handle--> LLMServer (one engine per replica)
-
-`LLMServer` gets one placement-group bundle per rank (`placement_group_bundles`), its
-replica merged into bundle 0, with the manifest's strategy (PACK by default).
+Each replica gets one placement-group bundle per rank (`placement_group_bundles`), its
+own CPUs merged into bundle 0, with the manifest's strategy (PACK by default).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from ray import serve
 from ray.serve import Application
 
 from cluster.serve.args import ClusterArgs
-from cluster.serve.manifest import INGRESS_DEPLOYMENT, LLM_DEPLOYMENT
-from cluster.serve.openai_app import make_ingress_class
+from cluster.serve.manifest import LLM_DEPLOYMENT
+from cluster.serve.openai_app import make_server_class
 from cluster.serve.server import LLMServer
 
 # An engine that failed to load will not load on the 20th try (Serve's default) either.
@@ -58,33 +58,24 @@ def llm_deployment_options(args: ClusterArgs) -> dict[str, Any]:
     }
 
 
-def ingress_deployment_options() -> dict[str, Any]:
-    return {"name": INGRESS_DEPLOYMENT, "ray_actor_options": {"num_cpus": 0}}
-
-
-def llm_app(args: ClusterArgs, overrides: dict[str, Any] | None) -> Application:
-    """The `LLMServer` deployment alone, with `overrides` applied to its options."""
+def llm_app(
+    args: ClusterArgs, overrides: dict[str, Any] | None = None, http: bool = True
+) -> Application:
+    """The `LLMServer` deployment with `overrides` applied to its options; with `http`,
+    serving the OpenAI routes too."""
     options = {**llm_deployment_options(args), **(overrides or {})}
-    return serve.deployment(LLMServer).options(**options).bind(args)
+    cls = make_server_class() if http else LLMServer
+    return serve.deployment(cls).options(**options).bind(args)
 
 
 def build_openai_app(
     args: ClusterArgs | dict[str, Any],
     deployment_overrides: dict[str, dict[str, Any]] | None = None,
 ) -> Application:
-    """The OpenAI ingress in front of `LLMServer`; `deployment_overrides` maps a deployment
+    """The OpenAI-serving `LLMServer` app; `deployment_overrides` maps the deployment's
     name to `.options()` values (what a manifest's `deployments:` section holds)."""
     args = prepare_args(args)
-    overrides = deployment_overrides or {}
-    llm = llm_app(args, overrides.get(LLM_DEPLOYMENT))
-    ingress_options = {
-        **ingress_deployment_options(),
-        # The ingress only waits on the engine: let it hold as many requests as it admits.
-        "max_ongoing_requests": 4 * args.scheduler.max_num_seqs,
-        **overrides.get(INGRESS_DEPLOYMENT, {}),
-    }
-    ingress = serve.deployment(make_ingress_class()).options(**ingress_options)
-    return ingress.bind(llm, args.served_model_name, args.server)
+    return llm_app(args, (deployment_overrides or {}).get(LLM_DEPLOYMENT))
 
 
 def build_app(args: ClusterArgs) -> Application:

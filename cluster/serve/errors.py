@@ -1,8 +1,9 @@
 """Errors that reach clients, each with its HTTP status and OpenAI-style JSON body.
 
-The replica raises these; they cross Ray wrapped in `RayTaskError` (which is also an
-instance of the original class), and `classify` maps anything the ingress catches,
-including Serve's back-pressure and dead-actor errors, to a status and a message.
+The replica raises these (a handle caller gets them wrapped in `RayTaskError`, which is
+also an instance of the original class); `classify` maps anything the OpenAI routes
+catch, the engine's actor errors included, to a status and a message. Serve's own
+back-pressure (`max_queued_requests`) is answered by its proxy: a 503 with Serve's text.
 """
 
 from __future__ import annotations
@@ -49,17 +50,13 @@ def error_body(status_code: int, message: str, error_type: str) -> dict[str, Any
 
 
 def classify(exc: BaseException) -> tuple[int, str, str]:
-    """(status, OpenAI error type, message) for an exception seen by the ingress."""
+    """(status, OpenAI error type, message) for an exception a route caught."""
     import ray
-    from ray.serve.exceptions import BackPressureError
-
     from cluster.engine.errors import EngineDeadError
 
     cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
     if isinstance(cause, ServeError):
         return cause.status_code, cause.error_type, cause.message
-    if isinstance(cause, BackPressureError):
-        return 503, "service_unavailable", f"the server is overloaded, retry later ({cause})"
     if isinstance(cause, ray.exceptions.RayActorError | EngineDeadError):
         return 503, "service_unavailable", f"the engine is unavailable: {cause}"
     if isinstance(cause, ValueError):

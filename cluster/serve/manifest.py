@@ -24,7 +24,8 @@ from cluster.serve.args import ClusterArgs
 
 IMPORT_PATH = "cluster.serve:build_app"
 LLM_DEPLOYMENT = "LLMServer"
-INGRESS_DEPLOYMENT = "OpenAIIngress"
+# Before the routes moved into LLMServer, a separate deployment served HTTP.
+FORMER_INGRESS_DEPLOYMENT = "OpenAIIngress"
 _ENGINE_OWNED = ("ray_actor_options", "placement_group_bundles", "placement_group_strategy")
 
 
@@ -84,10 +85,15 @@ def _validate_args(raw: dict[str, Any], path: str) -> ClusterArgs:
 def _check_deployment(name: str, options: dict[str, Any], path: str) -> None:
     from ray.serve.schema import DeploymentSchema
 
-    if name not in (LLM_DEPLOYMENT, INGRESS_DEPLOYMENT):
+    if name == FORMER_INGRESS_DEPLOYMENT:
         raise ManifestError(
-            f"{path}: unknown deployment {name!r} (this app has {LLM_DEPLOYMENT}, "
-            f"{INGRESS_DEPLOYMENT})"
+            f"{path}: there is no {name} deployment any more: {LLM_DEPLOYMENT} replicas serve "
+            f"the OpenAI routes themselves; remove its entry (or move its options to "
+            f"{LLM_DEPLOYMENT})"
+        )
+    if name != LLM_DEPLOYMENT:
+        raise ManifestError(
+            f"{path}: unknown deployment {name!r} (this app has one: {LLM_DEPLOYMENT})"
         )
     unknown = sorted(set(options) - set(DeploymentSchema.model_fields))
     if unknown:
@@ -179,5 +185,4 @@ def deployment_plan(manifest: Manifest) -> dict[str, Any]:
         "tensor_parallel_size": args.parallel.tensor_parallel_size,
         "speculative": args.speculative,
         "llm_server": {k: v for k, v in options.items() if k != "name"},
-        "ingress": manifest.deployments.get(INGRESS_DEPLOYMENT, {}),
     }

@@ -1,12 +1,14 @@
-"""The OpenAI-compatible ingress: a FastAPI app served by Ray Serve (`@serve.ingress`).
+"""The OpenAI-compatible routes, served by the `LLMServer` replicas themselves
+(`@serve.ingress` on a subclass): a FastAPI app, one Serve hop from the HTTP proxy.
 
 Routes: `/v1/completions`, `/v1/chat/completions` (streamed as server-sent events when
 `stream` is set), `/v1/models`, `/health`. Every error, FastAPI's own included (a body
 that is not JSON or not UTF-8, an unknown route), is OpenAI-style JSON with a real
 status: the first chunk of a stream is awaited before the response starts, so a bad
-request, back-pressure or a dead engine is a 400/429/503, not a 200 with a broken body.
+request, a full engine queue or a dead engine is a 400/429/503, not a 200 with a broken
+body.
 When the client goes away the stream is cancelled, which aborts the request in the
-engine and frees its KV blocks. `n` choices are `n` handle calls (awaited together,
+engine and frees its KV blocks. `n` choices are `n` engine requests (awaited together,
 their streams merged chunk by chunk with each choice's index). A Bearer API key, when configured, guards every path
 but `/health` (the OpenAPI schema and docs pages included), and is checked before the
 body is read, so an unauthenticated caller learns nothing about the schema.
@@ -16,7 +18,7 @@ import asyncio
 import contextlib
 import json
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,11 +26,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cluster.serve.args import ServerArgs
+from cluster.serve.args import ClusterArgs
 from cluster.serve.errors import (
     AuthenticationError,
     EngineUnavailableError,
@@ -43,18 +44,13 @@ from cluster.serve.openai_protocol import (
     ResponseFormatter,
 )
 from cluster.serve.protocol import GenerateOutput, GenerateRequest
+from cluster.serve.server import LLMServer
 
 
 def error_response(exc: BaseException) -> JSONResponse:
     status, error_type, message = classify(exc)
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     return JSONResponse(error_body(status, message, error_type), status, headers=headers)
-
-
-def _cancel(response: DeploymentResponse | DeploymentResponseGenerator) -> None:
-    """Cancel a handle call (a no-op once it is done; Serve may re-raise its error here)."""
-    with contextlib.suppress(Exception):
-        response.cancel()
 
 
 async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
@@ -87,6 +83,7 @@ async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
     finally:
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 _END = object()
@@ -159,16 +156,19 @@ def make_openai_app() -> FastAPI:
     return app
 
 
-def make_ingress_class() -> type:
-    """The ingress deployment class, with its own FastAPI app (nothing at module level)."""
+def make_server_class() -> type:
+    """The deployment class: `LLMServer` (one engine, the handle API) serving the OpenAI
+    routes itself, with its own FastAPI app (nothing at module level). HTTP then takes one
+    Serve hop (proxy -> replica), and a route runs its request in the replica's engine
+    client directly."""
     app = make_openai_app()
 
     @serve.ingress(app)
-    class OpenAIIngress:
-        def __init__(self, llm: DeploymentHandle, model_id: str, server: ServerArgs) -> None:
-            self.llm = llm
-            self.model_id = model_id
-            app.state.api_key = server.resolved_api_key()
+    class OpenAIServer(LLMServer):
+        def __init__(self, args: ClusterArgs | dict[str, Any]) -> None:
+            server = ClusterArgs.model_validate(args).server
+            app.state.api_key = server.resolved_api_key()  # before any actor starts
+            super().__init__(args)
 
         def _check_model(self, model: str) -> None:
             if model != self.model_id:
@@ -177,11 +177,11 @@ def make_ingress_class() -> type:
                 )
 
         @app.get("/health")
-        async def health(self) -> JSONResponse:
-            """200 only when an engine answers its own health check (scheduler, every
+        async def health_route(self) -> JSONResponse:
+            """200 only when the engine answers its own health check (scheduler, every
             worker, a step loop that is not stalled); 503 otherwise, or after 10 s."""
             try:
-                await asyncio.wait_for(self.llm.health.remote(), timeout=HEALTH_TIMEOUT_S)
+                await asyncio.wait_for(self.health(), timeout=HEALTH_TIMEOUT_S)
             except TimeoutError:
                 return error_response(
                     EngineUnavailableError(f"no engine answered within {HEALTH_TIMEOUT_S:g} s")
@@ -193,10 +193,7 @@ def make_ingress_class() -> type:
 
         @app.get("/v1/models")
         async def models(self) -> JSONResponse:
-            try:
-                card = await self.llm.model_card.remote()
-            except Exception as e:
-                return error_response(e)
+            card = await self.model_card()
             entry = {"id": card["id"], "object": "model", "created": 0, "owned_by": "cluster"}
             entry["max_model_len"] = card["max_model_len"]
             return JSONResponse({"object": "list", "data": [entry]})
@@ -227,50 +224,63 @@ def make_ingress_class() -> type:
                 return error_response(e)
             echo_only = isinstance(body, CompletionRequest) and body.echo_only
             formatter = ResponseFormatter(self.model_id, chat, echo_only)
-            # One call per choice. Serve may refuse a call itself (back-pressure):
-            # `.remote()` is guarded too.
-            call = self.llm.options(stream=body.stream).generate
-            responses: list[Any] = []
+            if not body.stream:
+                try:  # one engine request per choice; the first failure cancels the rest
+                    outputs = await _all_or_none([self.generate(r) for r in requests])
+                except Exception as e:
+                    return error_response(e)
+                return JSONResponse(formatter.full(outputs))
+            streams = [self._run(r) for r in requests]
             try:
-                for request in requests:
-                    responses.append(call.remote(request))
                 # A stream's first chunk is awaited here, so that errors are statuses.
-                firsts = await asyncio.gather(
-                    *(r.__anext__() if body.stream else r for r in responses)
-                )
+                firsts = await _all_or_none([anext(s) for s in streams])
             except BaseException as e:
-                for response in responses:  # the client left, or a call failed
-                    _cancel(response)
+                await _close(streams)  # the client left, or a request failed
                 if isinstance(e, Exception):
                     return error_response(e)
                 raise
-            if not body.stream:
-                return JSONResponse(formatter.full(list(firsts)))
-            events = self._events(list(firsts), responses, formatter, body.include_usage)
+            events = _events(firsts, streams, formatter, body.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
 
-        async def _events(
-            self,
-            firsts: list[GenerateOutput],
-            streams: list[DeploymentResponseGenerator],
-            formatter: ResponseFormatter,
-            include_usage: bool,
-        ) -> AsyncIterator[str]:
-            lasts = list(firsts)
-            try:
-                for index, first in enumerate(firsts):
-                    yield _sse(formatter.chunk(first, index))
-                async for index, out in _merged(streams):
-                    lasts[index] = out
-                    yield _sse(formatter.chunk(out, index))
-                if include_usage:
-                    yield _sse(formatter.usage_chunk(lasts))
-                yield _sse("[DONE]")
-            except Exception as e:  # the status is already 200: report in the stream
-                status, error_type, message = classify(e)
-                yield _sse(error_body(status, message, error_type))
-            finally:
-                for stream in streams:  # the client left early: abort in the engine
-                    _cancel(stream)
+    return OpenAIServer
 
-    return OpenAIIngress
+
+async def _all_or_none(calls: list[Awaitable[Any]]) -> list[Any]:
+    """Every call's result; if one fails (or this is cancelled), the others are cancelled
+    (which aborts their engine requests) and the error is raised."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _close(streams: list[AsyncGenerator[Any, None]]) -> None:
+    """Close every stream: a request not finished is aborted and its blocks freed."""
+    for stream in streams:
+        with contextlib.suppress(Exception):
+            await stream.aclose()
+
+
+async def _events(
+    firsts: list[GenerateOutput],
+    streams: list[AsyncGenerator[GenerateOutput, None]],
+    formatter: ResponseFormatter,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    lasts = list(firsts)
+    try:
+        for index, first in enumerate(firsts):
+            yield _sse(formatter.chunk(first, index))
+        async for index, out in _merged(streams):
+            lasts[index] = out
+            yield _sse(formatter.chunk(out, index))
+        if include_usage:
+            yield _sse(formatter.usage_chunk(lasts))
+        yield _sse("[DONE]")
+    except Exception as e:  # the status is already 200: report in the stream
+        status, error_type, message = classify(e)
+        yield _sse(error_body(status, message, error_type))
+    finally:  # the client left early: abort in the engine
+        await _close(streams)
