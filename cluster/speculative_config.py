@@ -157,6 +157,10 @@ class SpeculativeConfig(BaseModel):
     adaptive: bool = False
     # Draft trees instead of chains (EAGLE-2 style); None: a chain of drafts.
     tree: TreeConfig | None = None
+    # Hybrid drafting (`cluster/spec_decode/hybrid.py`): with a draft model, a request whose
+    # last `hybrid_lookup_min` or more tokens (up to prompt_lookup_max) occurred earlier in
+    # its context drafts by n-gram lookup that step, the model elsewhere. None: off.
+    hybrid_lookup_min: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -202,7 +206,22 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(f"speculative.model is required for method={self.method!r}")
         if self.tree is not None:
             self._check_tree(self.tree)
+        if self.hybrid_lookup_min is not None:
+            self._check_hybrid(self.hybrid_lookup_min)
         return self
+
+    def _check_hybrid(self, min_match: int) -> None:
+        if self.resolved_method == "ngram":
+            raise ValueError(
+                "speculative.hybrid_lookup_min needs a draft model (method='ngram' is lookup only)"
+            )
+        if self.tree is not None:
+            raise ValueError("speculative.hybrid_lookup_min and speculative.tree cannot be combined")
+        if min_match > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative.hybrid_lookup_min={min_match} must not exceed "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
 
     def _check_tree(self, tree: TreeConfig) -> None:
         k = self.num_speculative_tokens

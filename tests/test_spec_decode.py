@@ -73,6 +73,19 @@ def test_greedy_is_lossless(target, baseline, method, k):
     assert sum(o.num_draft_tokens for o in outs) == metrics["num_draft_tokens"]
 
 
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+def test_hybrid_drafting_is_lossless_and_uses_both_drafters(target, baseline, method):
+    """The repeating prompt [9, 8, 9, ...] offers long matches (lookup drafts), the others
+    mostly none (the model drafts)."""
+    path, _, specs = target
+    spec = {**specs[method], "hybrid_lookup_min": 2}
+    with LLM(path, speculative_config={**spec, "num_speculative_tokens": 3}, **ENGINE) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        proposer = llm.engine.core.executor.worker.runner.proposer
+        assert proposer.num_lookup_drafts > 0 and proposer.num_model_drafts > 0
+    assert [o.outputs[0].token_ids for o in outs] == baseline
+
+
 class ScriptedProposer:
     """Proposes, for each request, the next k tokens of a known greedy continuation, or
     (with `wrong`) a token guaranteed to differ from it."""

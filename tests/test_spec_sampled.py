@@ -103,20 +103,21 @@ def _p_value(counts: torch.Tensor, exact: torch.Tensor) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "draft_sampling, top_p",
-    # (The sampler alone, without speculation, has its own distribution tests.)
-    [("sample", 1.0), ("sample", 0.9), ("greedy", 1.0)],
+    "draft_sampling, top_p, hybrid",
+    # (The sampler alone, without speculation, has its own distribution tests.) Hybrid:
+    # a first token that occurs in the prompt drafts by lookup (point masses), the others
+    # by the draft LM (its distributions), in the same batch.
+    [("sample", 1.0, None), ("sample", 0.9, None), ("greedy", 1.0, None), ("sample", 1.0, 1)],
 )
-def test_first_two_tokens_follow_the_target(models, draft_sampling, top_p):
+def test_first_two_tokens_follow_the_target(models, draft_sampling, top_p, hybrid):
     target, hf, draft = models
-    spec = None
-    if draft_sampling is not None:
-        spec = {
-            "method": "draft_model",
-            "model": draft,
-            "num_speculative_tokens": 3,
-            "draft_sampling": draft_sampling,
-        }
+    spec = {
+        "method": "draft_model",
+        "model": draft,
+        "num_speculative_tokens": 3,
+        "draft_sampling": draft_sampling,
+        "hybrid_lookup_min": hybrid,
+    }
     counts = _sample_joint(target, spec, 1.0, top_p)
     exact = _exact_joint(hf, 1.0, top_p)
     assert _p_value(counts, exact) > 1e-3

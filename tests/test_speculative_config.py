@@ -118,11 +118,57 @@ def test_mtp_heads_default_to_the_target_checkpoint(setup):
             "not a folder with config.json",
         ),
         (dict(method="ngram", num_speculative_tokens=2, nonsense=1), "nonsense"),
+        (dict(method="ngram", num_speculative_tokens=2, hybrid_lookup_min=2), "draft model"),
+        (dict(model="ngram", num_speculative_tokens=2, hybrid_lookup_min=0), "greater than"),
     ],
 )
 def test_bad_configs_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig(**kwargs)
+
+
+def test_hybrid_configs_are_checked(setup):
+    _, specs, _ = setup
+    head = specs["eagle3"]["model"]
+    with pytest.raises(ValueError, match="must not exceed prompt_lookup_max=4"):
+        SpeculativeConfig(model=head, num_speculative_tokens=2, hybrid_lookup_min=5)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        SpeculativeConfig(
+            model=head, num_speculative_tokens=2, hybrid_lookup_min=2, tree={"topk": 2, "num_nodes": 4}
+        )
+    ok = SpeculativeConfig(model=head, num_speculative_tokens=2, hybrid_lookup_min=3)
+    assert ok.hybrid_lookup_min == 3
+
+
+def test_hybrid_proposer_takes_lookup_drafts_only_where_the_match_is_long():
+    """Per request: a suffix of >= min_match tokens seen before -> its continuation (as
+    many tokens as the model drafted, point masses); otherwise the model's drafts and
+    probabilities; a request the model gave no drafts gets none."""
+    from cluster.spec_decode.batch import DraftProposal
+    from cluster.spec_decode.hybrid import HybridProposer
+
+    class Model:
+        needs_token_history = False
+
+        def propose(self, batch):
+            drafts = [[90, 91], [92, 93], [], [94, 95]]
+            return DraftProposal(drafts, [torch.ones(2, 8), None, None, torch.ones(2, 8)])
+
+    class Batch:
+        token_history = [
+            [1, 2, 3, 7, 8, 1, 2, 3],  # [1, 2, 3] repeats: lookup drafts [7, 8]
+            [1, 2, 5, 1, 2],  # only [1, 2] repeats: below min_match 3
+            [4, 5, 6, 4, 5, 6],  # repeats, but the model was asked for no drafts
+            [9, 9, 9, 9],  # [9, 9, 9] repeats at the start: [9] (one token left)
+        ]
+
+    hybrid = HybridProposer(Model(), min_match=3, max_n=4)
+    out = hybrid.propose(Batch())
+    assert out.token_ids == [[7, 8], [92, 93], [], [9]]
+    assert out.probs[0] is None and out.probs[3] is None and out.probs[1] is None
+    assert (hybrid.num_lookup_drafts, hybrid.num_model_drafts) == (2, 1)
+    with pytest.raises(ValueError, match="min_match"):
+        HybridProposer(Model(), min_match=5, max_n=4)
 
 
 def test_method_must_match_the_checkpoint(setup):

@@ -52,11 +52,13 @@ class ServerArgs(_Frozen):
     api_key_env: str | None = None
     # Requests waiting for admission (KV blocks, sequence slots) beyond which new ones get 429.
     max_waiting_requests: int | None = Field(default=None, ge=1)
-    # The replica's streams together send about this many chunks per second at most:
-    # after each chunk a stream merges newer tokens for (live requests) / this rate, so
-    # one stream gets each step's tokens at once (1 ms at the default) and 64 streams
-    # send a chunk each per 64 ms instead of flooding Serve with one-token messages.
-    stream_chunks_per_s: float = Field(default=1000.0, gt=0)
+    # The replica's streams together send about this many chunks per second at most: a
+    # stream sends its next chunk no sooner than (live requests) / this rate after the
+    # previous one (tokens arriving sooner merge into it; a token arriving later goes out at
+    # once). One stream gets every step's tokens as they come (5 ms at the default), 64
+    # streams one chunk each per 320 ms: a chunk costs ~1.7 ms of CPU between the replica,
+    # Serve's proxy and the client (benchmarks/results/serving_overhead.md).
+    stream_chunks_per_s: float = Field(default=200.0, gt=0)
     # A single engine step running longer than this makes the health check fail.
     stall_timeout_s: float = Field(default=60.0, gt=0)
     health_timeout_s: float = Field(default=10.0, gt=0)

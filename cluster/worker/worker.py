@@ -25,6 +25,7 @@ from cluster.models.loader import load_draft_head, load_model
 from cluster.parallel import ParallelState, destroy_parallel_state, init_parallel_state
 from cluster.spec_decode.draft_model import DraftModelProposer
 from cluster.spec_decode.eagle import EagleProposer
+from cluster.spec_decode.hybrid import HybridProposer
 from cluster.spec_decode.ngram import NgramProposer
 from cluster.spec_decode.tree_drafting import TreeShape
 from cluster.worker.kv_cache import LayerShape, PagedKVCache
@@ -161,6 +162,8 @@ class Worker:
                 proposer = DraftModelProposer(self.draft_lm, draft_kv, block_size, k, sample, tree)
             else:
                 proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if spec.hybrid_lookup_min is not None:
+                proposer = HybridProposer(proposer, spec.hybrid_lookup_min, spec.prompt_lookup_max)
         self.runner = ModelRunner(
             self.model,
             kv_cache,

@@ -1,0 +1,52 @@
+"""Hybrid drafting: n-gram lookup where the context offers a long match, the draft model
+(an EAGLE-family head or a draft LM) elsewhere, chosen per request per step.
+
+A small model's answers repeat themselves and quote their prompts: where the request's
+last `min_match` (or more, up to `max_n`) tokens occurred earlier in its context, what
+followed them then is usually what the target says next, more often than a draft
+model's guess. So after the model has drafted (it reads every request's new tokens
+each step, which keeps its KV whole whichever drafter wins), a request whose context
+has such a match takes the lookup's drafts instead, as many as the model was asked for
+(fewer when the match is near the end of the context).
+
+Lossless either way: the choice depends only on tokens already verified, and lookup
+drafts carry no distribution (the rejection sampler verifies them as point masses,
+NO_DRAFT_PROBS), while the model's keep theirs.
+"""
+
+from __future__ import annotations
+
+from cluster.spec_decode.batch import DraftProposal, ProposalBatch, Proposer
+from cluster.spec_decode.ngram import ngram_drafts
+
+
+class HybridProposer:
+    needs_token_history = True
+
+    def __init__(self, model: Proposer, min_match: int, max_n: int) -> None:
+        if not 1 <= min_match <= max_n:
+            raise ValueError(f"need 1 <= min_match <= max_n, got {min_match} and {max_n}")
+        self.model = model
+        self.min_match, self.max_n = min_match, max_n
+        self.num_lookup_drafts = 0  # requests x steps that drafted by lookup
+        self.num_model_drafts = 0
+
+    def warm_up(self) -> float:
+        return self.model.warm_up()
+
+    def propose(self, batch: ProposalBatch) -> DraftProposal:
+        proposal = self.model.propose(batch)
+        if proposal.parents is not None and any(p is not None for p in proposal.parents):
+            raise ValueError("hybrid drafting drafts chains; the model proposed a tree")
+        token_ids, probs = list(proposal.token_ids), list(proposal.probs)
+        for i, history in enumerate(batch.token_history):
+            k = len(token_ids[i])  # what the model was asked for (0: no drafts this step)
+            if not k:
+                continue
+            lookup = ngram_drafts(history, self.min_match, self.max_n, k)
+            if lookup:
+                token_ids[i], probs[i] = lookup, None
+                self.num_lookup_drafts += 1
+            else:
+                self.num_model_drafts += 1
+        return DraftProposal(token_ids, probs)
