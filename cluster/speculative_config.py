@@ -161,6 +161,10 @@ class SpeculativeConfig(BaseModel):
     # last `hybrid_lookup_min` or more tokens (up to prompt_lookup_max) occurred earlier in
     # its context drafts by n-gram lookup that step, the model elsewhere. None: off.
     hybrid_lookup_min: int | None = Field(default=None, ge=1)
+    # Per-request draft count: a request's chain of drafts ends where the draft model's own
+    # probability of the chain so far falls below this (`cluster/spec_decode/chain.py`).
+    # None: always num_speculative_tokens (or the adaptive controller's k).
+    min_draft_confidence: float | None = Field(default=None, gt=0, lt=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -208,6 +212,17 @@ class SpeculativeConfig(BaseModel):
             self._check_tree(self.tree)
         if self.hybrid_lookup_min is not None:
             self._check_hybrid(self.hybrid_lookup_min)
+        if self.min_draft_confidence is not None:
+            if self.resolved_method == "ngram":
+                raise ValueError(
+                    "speculative.min_draft_confidence needs a draft model (lookup drafts "
+                    "have no probabilities)"
+                )
+            if self.tree is not None:
+                raise ValueError(
+                    "speculative.min_draft_confidence applies to chains; a tree has its own "
+                    "budget (tree.num_nodes)"
+                )
         return self
 
     def _check_hybrid(self, min_match: int) -> None:
@@ -216,7 +231,9 @@ class SpeculativeConfig(BaseModel):
                 "speculative.hybrid_lookup_min needs a draft model (method='ngram' is lookup only)"
             )
         if self.tree is not None:
-            raise ValueError("speculative.hybrid_lookup_min and speculative.tree cannot be combined")
+            raise ValueError(
+                "speculative.hybrid_lookup_min and speculative.tree cannot be combined"
+            )
         if min_match > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative.hybrid_lookup_min={min_match} must not exceed "

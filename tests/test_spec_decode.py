@@ -86,6 +86,63 @@ def test_hybrid_drafting_is_lossless_and_uses_both_drafters(target, baseline, me
     assert [o.outputs[0].token_ids for o in outs] == baseline
 
 
+def test_draft_confidence_cuts_chains_per_request_losslessly(target, baseline):
+    """With min_draft_confidence, each request's chain ends where the draft doubts it:
+    fewer drafts per step than k, some steps none, the output unchanged."""
+    path, _, specs = target
+    spec = {**specs["draft_model"], "num_speculative_tokens": 5}
+    full, full_metrics = _run(path, spec, 5)
+    cut, cut_metrics = _run(path, {**spec, "min_draft_confidence": 0.2}, 5)
+    assert [o.token_ids for o in full] == [o.token_ids for o in cut] == baseline
+    per_step = cut_metrics["num_draft_tokens"] / cut_metrics["num_drafts"]
+    assert 0 < cut_metrics["num_draft_tokens"] < full_metrics["num_draft_tokens"]
+    assert per_step < 5
+
+
+def test_run_chain_cuts_where_the_chain_probability_falls():
+    """Rows with draft probabilities 0.9, 0.9, 0.9 / 0.9, 0.1, 0.9 / 0.2, ...: at 0.3 the
+    chains keep 3, 1 and 0 drafts (the chain probability is a running product)."""
+    import torch
+
+    from cluster.spec_decode.chain import draft_confidence, run_chain
+
+    vocab, n, k = 8, 3, 3
+    chosen = [[0.9, 0.9, 0.9], [0.9, 0.1, 0.9], [0.2, 0.9, 0.9]]
+
+    def logits_for(step, rows):
+        # token `step` gets probability chosen[row][step], the rest share what is left
+        out = torch.full((len(rows), vocab), 0.0)
+        for j, r in enumerate(rows):
+            p = torch.full((vocab,), (1 - chosen[r][step]) / (vocab - 1))
+            p[step] = chosen[r][step]
+            out[j] = p.log()
+        return out
+
+    def step_fn(tokens, hidden, positions, step):
+        return logits_for(step, list(range(n))[: len(tokens)]), None
+
+    first = logits_for(0, range(n))
+    drafts, probs = run_chain(
+        step_fn,
+        first.argmax(-1),
+        None,
+        None,
+        [4, 4, 4],
+        torch.zeros(n, 4, dtype=torch.long),
+        [4, 4, 4],
+        4,
+        None,
+        [SamplingParams(temperature=1.0)] * n,
+        {},
+        k,
+        False,
+        0.3,
+        draft_confidence(first, first.argmax(-1)),
+    )
+    assert drafts == [[0, 1, 2], [0], []]
+    assert probs == [None, None, None]  # argmax drafts: verified as point masses
+
+
 class ScriptedProposer:
     """Proposes, for each request, the next k tokens of a known greedy continuation, or
     (with `wrong`) a token guaranteed to differ from it."""

@@ -103,20 +103,26 @@ def _p_value(counts: torch.Tensor, exact: torch.Tensor) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "draft_sampling, top_p, hybrid",
-    # (The sampler alone, without speculation, has its own distribution tests.) Hybrid:
+    "draft_sampling, top_p, options",
+    # (The sampler alone, without speculation, has its own distribution tests.) The last:
     # a first token that occurs in the prompt drafts by lookup (point masses), the others
-    # by the draft LM (its distributions), in the same batch.
-    [("sample", 1.0, None), ("sample", 0.9, None), ("greedy", 1.0, None), ("sample", 1.0, 1)],
+    # by the draft LM (its distributions), in the same batch, their chains cut where the
+    # draft's confidence falls below 0.3 (shorter chains, their distributions cut too).
+    [
+        ("sample", 1.0, {}),
+        ("sample", 0.9, {}),
+        ("greedy", 1.0, {}),
+        ("sample", 1.0, {"hybrid_lookup_min": 1, "min_draft_confidence": 0.3}),
+    ],
 )
-def test_first_two_tokens_follow_the_target(models, draft_sampling, top_p, hybrid):
+def test_first_two_tokens_follow_the_target(models, draft_sampling, top_p, options):
     target, hf, draft = models
     spec = {
         "method": "draft_model",
         "model": draft,
         "num_speculative_tokens": 3,
         "draft_sampling": draft_sampling,
-        "hybrid_lookup_min": hybrid,
+        **options,
     }
     counts = _sample_joint(target, spec, 1.0, top_p)
     exact = _exact_joint(hf, 1.0, top_p)

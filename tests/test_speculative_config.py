@@ -120,6 +120,8 @@ def test_mtp_heads_default_to_the_target_checkpoint(setup):
         (dict(method="ngram", num_speculative_tokens=2, nonsense=1), "nonsense"),
         (dict(method="ngram", num_speculative_tokens=2, hybrid_lookup_min=2), "draft model"),
         (dict(model="ngram", num_speculative_tokens=2, hybrid_lookup_min=0), "greater than"),
+        (dict(method="ngram", num_speculative_tokens=2, min_draft_confidence=0.5), "draft model"),
+        (dict(method="ngram", num_speculative_tokens=2, min_draft_confidence=1.0), "less than"),
     ],
 )
 def test_bad_configs_are_refused(kwargs, message):
@@ -134,16 +136,25 @@ def test_hybrid_configs_are_checked(setup):
         SpeculativeConfig(model=head, num_speculative_tokens=2, hybrid_lookup_min=5)
     with pytest.raises(ValueError, match="cannot be combined"):
         SpeculativeConfig(
-            model=head, num_speculative_tokens=2, hybrid_lookup_min=2, tree={"topk": 2, "num_nodes": 4}
+            model=head,
+            num_speculative_tokens=2,
+            hybrid_lookup_min=2,
+            tree={"topk": 2, "num_nodes": 4},
         )
-    ok = SpeculativeConfig(model=head, num_speculative_tokens=2, hybrid_lookup_min=3)
-    assert ok.hybrid_lookup_min == 3
+    with pytest.raises(ValueError, match="own budget"):
+        SpeculativeConfig(
+            model=head, num_speculative_tokens=2, min_draft_confidence=0.3, tree={"topk": 2}
+        )
+    ok = SpeculativeConfig(
+        model=head, num_speculative_tokens=2, hybrid_lookup_min=3, min_draft_confidence=0.3
+    )
+    assert (ok.hybrid_lookup_min, ok.min_draft_confidence) == (3, 0.3)
 
 
 def test_hybrid_proposer_takes_lookup_drafts_only_where_the_match_is_long():
-    """Per request: a suffix of >= min_match tokens seen before -> its continuation (as
-    many tokens as the model drafted, point masses); otherwise the model's drafts and
-    probabilities; a request the model gave no drafts gets none."""
+    """Per request: a suffix of >= min_match tokens seen before -> its continuation (up
+    to k tokens, point masses; also where the model drafted none); otherwise the model's
+    drafts and probabilities; a request that does not draft this step gets none."""
     from cluster.spec_decode.batch import DraftProposal
     from cluster.spec_decode.hybrid import HybridProposer
 
@@ -151,24 +162,35 @@ def test_hybrid_proposer_takes_lookup_drafts_only_where_the_match_is_long():
         needs_token_history = False
 
         def propose(self, batch):
-            drafts = [[90, 91], [92, 93], [], [94, 95]]
-            return DraftProposal(drafts, [torch.ones(2, 8), None, None, torch.ones(2, 8)])
+            drafts = [[90, 91], [92, 93], [], [], [94]]
+            probs = [torch.ones(2, 8), None, None, None, torch.ones(1, 8)]
+            return DraftProposal(drafts, probs)
 
-    class Batch:
-        token_history = [
+    from types import SimpleNamespace
+
+    batch = SimpleNamespace(
+        token_history=[
             [1, 2, 3, 7, 8, 1, 2, 3],  # [1, 2, 3] repeats: lookup drafts [7, 8]
             [1, 2, 5, 1, 2],  # only [1, 2] repeats: below min_match 3
-            [4, 5, 6, 4, 5, 6],  # repeats, but the model was asked for no drafts
+            [4, 5, 6, 4, 5, 6],  # repeats, but the request is mid-prompt: no drafts
             [9, 9, 9, 9],  # [9, 9, 9] repeats at the start: [9] (one token left)
-        ]
+            [3, 4, 5, 6, 3, 4, 5],  # repeats; the model doubted and drafted one token
+        ],
+        sampled=[True, True, False, True, True],
+        num_valid=[1, 1, 3, 1, 1],
+        num_drafts=None,
+    )
 
-    hybrid = HybridProposer(Model(), min_match=3, max_n=4)
-    out = hybrid.propose(Batch())
-    assert out.token_ids == [[7, 8], [92, 93], [], [9]]
-    assert out.probs[0] is None and out.probs[3] is None and out.probs[1] is None
-    assert (hybrid.num_lookup_drafts, hybrid.num_model_drafts) == (2, 1)
+    hybrid = HybridProposer(Model(), k=2, min_match=3, max_n=4)
+    out = hybrid.propose(batch)
+    assert out.token_ids == [[7, 8], [92, 93], [], [9], [6, 3]]
+    assert out.probs[0] is None and out.probs[3] is None and out.probs[4] is None
+    assert out.probs[1] is None  # (the model's own: it had none)
+    assert (hybrid.num_lookup_drafts, hybrid.num_model_drafts) == (3, 1)
+    batch.num_drafts = 0  # the adaptive controller turned drafting off
+    assert hybrid.propose(batch).token_ids == [[90, 91], [92, 93], [], [], [94]]
     with pytest.raises(ValueError, match="min_match"):
-        HybridProposer(Model(), min_match=5, max_n=4)
+        HybridProposer(Model(), k=2, min_match=5, max_n=4)
 
 
 def test_method_must_match_the_checkpoint(setup):

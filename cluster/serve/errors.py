@@ -52,6 +52,7 @@ def error_body(status_code: int, message: str, error_type: str) -> dict[str, Any
 def classify(exc: BaseException) -> tuple[int, str, str]:
     """(status, OpenAI error type, message) for an exception a route caught."""
     import ray
+
     from cluster.engine.errors import EngineDeadError
 
     cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc

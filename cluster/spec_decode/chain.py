@@ -6,6 +6,13 @@ After pass 0 each drafting request has one draft token, the position it follows 
 position, one token per request, writing draft KV into the slots the scheduler reserved
 ahead. A request stops drafting when its next position has no reserved block. Draft
 tokens stay on the device until the chain ends: one transfer returns them all.
+
+With `min_confidence`, a request's chain also ends where the draft's own probability of
+the chain so far (the product of each draft's probability under softmax of the draft's
+logits) falls below it: per request per step, drafts the draft itself
+doubts are not sent for verification. The cut is made once the chain ends (on the
+device, in the same transfer), so it costs no synchronisation; it depends only on the
+draft's distributions, so it is lossless.
 """
 
 from __future__ import annotations
@@ -70,8 +77,11 @@ def run_chain(
     generators: Mapping[int, torch.Generator],  # request (row of first_tokens) -> generator
     k: int,
     sample: bool,
+    min_confidence: float | None = None,
+    first_confidence: torch.Tensor | None = None,  # [n] draft 1's probability (with the above)
 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-    """Drafts 2..k for every request; returns ([n][<= k] tokens, [n] probs [k_i, vocab] | None)."""
+    """Drafts 2..k for every request (cut where the chain's draft probability falls below
+    `min_confidence`); returns ([n][<= k] tokens, [n] probs [k_i, vocab] | None)."""
     n = first_tokens.shape[0]
     device = first_tokens.device
     # [n] per pass, -1 once a request has stopped (requests only ever stop, so -1 ends a row)
@@ -82,6 +92,8 @@ def run_chain(
     active = list(range(n))
     positions = list(last_positions)
     tokens = first_tokens
+    # [n] per pass: each draft's probability under the draft (1 where a row has stopped)
+    confidences = [first_confidence] if first_confidence is not None else []
     for step in range(1, k):
         still = [j for j, i in enumerate(active) if positions[j] + 1 < num_blocks[i] * block_size]
         if not still:
@@ -110,16 +122,28 @@ def run_chain(
         row = torch.full((n,), -1, dtype=tokens.dtype, device=device)
         row[active] = tokens
         passes.append(row)
+        if confidences:
+            confidence = torch.ones(n, device=device)
+            confidence[active] = draft_confidence(logits, tokens)
+            confidences.append(confidence)
         if step_probs is not None:
             for j, i in enumerate(active):
                 if probs[i]:
                     probs[i].append(step_probs[j])
-    table = torch.stack(passes, dim=1).tolist()  # [n, passes]: the chain's one transfer
-    drafts = [[t for t in r if t >= 0] for r in table]
+    table = torch.stack(passes, dim=1)  # [n, passes]
+    if confidences and min_confidence is not None:  # a prefix of each row stays
+        doubted = torch.stack(confidences, dim=1).cumprod(dim=1) < min_confidence
+        table = table.masked_fill(doubted, -1)
+    drafts = [[t for t in r if t >= 0] for r in table.tolist()]  # the chain's one transfer
     return drafts, [
-        torch.stack(p) if p and len(p) == len(d) else None
+        torch.stack(p[: len(d)]) if d and len(p) >= len(d) else None
         for p, d in zip(probs, drafts, strict=True)
     ]
+
+
+def draft_confidence(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[n] each draft's probability under softmax(logits) ([n, vocab]; `tokens` [n])."""
+    return torch.softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
 
 
 def draft_from_roots(
@@ -134,6 +158,7 @@ def draft_from_roots(
     k: int,
     sample: bool,
     tree: TreeShape | None,
+    min_confidence: float | None = None,
 ) -> DraftProposal:
     """Every drafting request's drafts after pass 0: a chain (`run_chain`) or a tree
     (`grow_trees`), placed at its batch index; the others get none."""
@@ -155,9 +180,12 @@ def draft_from_roots(
             proposal.parents[i] = list(trees[j].parents)
         return proposal
     tokens, first_probs = choose_tokens(root_logits, params, sample, generators)
+    first_confidence = None
+    if min_confidence is not None:
+        first_confidence = draft_confidence(root_logits, tokens)
     drafts, draft_probs = run_chain(
         step_fn, tokens, first_probs, root_hidden, root_indices, tables, num_blocks,
-        block_size, kv_cache, params, generators, k, sample,
+        block_size, kv_cache, params, generators, k, sample, min_confidence, first_confidence,
     )  # fmt: skip
     for j, i in enumerate(drafting):
         proposal.token_ids[i], proposal.probs[i] = drafts[j], draft_probs[j]

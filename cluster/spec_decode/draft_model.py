@@ -28,8 +28,10 @@ class DraftModelProposer:
         num_speculative_tokens: int,
         sample: bool,
         tree: TreeShape | None = None,
+        min_confidence: float | None = None,
     ) -> None:
         self.model = model
+        self.min_confidence = min_confidence  # chains end where the draft doubts them
         self.tree = tree  # draft trees (EAGLE-2's expansion) instead of chains
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -98,4 +100,5 @@ class DraftModelProposer:
             k,
             self.sample,
             self.tree,
+            self.min_confidence,
         )

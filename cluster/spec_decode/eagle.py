@@ -49,8 +49,10 @@ class EagleProposer:
         sample: bool,
         compile_options: CompileOptions | None = None,
         tree: TreeShape | None = None,
+        min_confidence: float | None = None,
     ) -> None:
         self.draft = draft
+        self.min_confidence = min_confidence  # chains end where the draft doubts them
         self.tree = tree  # draft trees (EAGLE-2) instead of chains
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -128,6 +130,7 @@ class EagleProposer:
             k,
             self.sample,
             self.tree,
+            self.min_confidence,
         )
 
     def _write_later_layers(

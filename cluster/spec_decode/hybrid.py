@@ -6,8 +6,9 @@ last `min_match` (or more, up to `max_n`) tokens occurred earlier in its context
 followed them then is usually what the target says next, more often than a draft
 model's guess. So after the model has drafted (it reads every request's new tokens
 each step, which keeps its KV whole whichever drafter wins), a request whose context
-has such a match takes the lookup's drafts instead, as many as the model was asked for
-(fewer when the match is near the end of the context).
+has such a match takes the lookup's drafts instead, as many as the step asks for (fewer
+when the match is near the end of the context), also where the model drafted fewer or
+none (`min_draft_confidence`).
 
 Lossless either way: the choice depends only on tokens already verified, and lookup
 drafts carry no distribution (the rejection sampler verifies them as point masses,
@@ -23,10 +24,11 @@ from cluster.spec_decode.ngram import ngram_drafts
 class HybridProposer:
     needs_token_history = True
 
-    def __init__(self, model: Proposer, min_match: int, max_n: int) -> None:
+    def __init__(self, model: Proposer, k: int, min_match: int, max_n: int) -> None:
         if not 1 <= min_match <= max_n:
             raise ValueError(f"need 1 <= min_match <= max_n, got {min_match} and {max_n}")
         self.model = model
+        self.k = k
         self.min_match, self.max_n = min_match, max_n
         self.num_lookup_drafts = 0  # requests x steps that drafted by lookup
         self.num_model_drafts = 0
@@ -39,10 +41,10 @@ class HybridProposer:
         if proposal.parents is not None and any(p is not None for p in proposal.parents):
             raise ValueError("hybrid drafting drafts chains; the model proposed a tree")
         token_ids, probs = list(proposal.token_ids), list(proposal.probs)
+        k = self.k if batch.num_drafts is None else min(self.k, batch.num_drafts)
         for i, history in enumerate(batch.token_history):
-            k = len(token_ids[i])  # what the model was asked for (0: no drafts this step)
-            if not k:
-                continue
+            if not (k and batch.sampled[i] and batch.num_valid[i]):
+                continue  # no drafts this step (a partial prompt, or adaptive k = 0)
             lookup = ngram_drafts(history, self.min_match, self.max_n, k)
             if lookup:
                 token_ids[i], probs[i] = lookup, None

@@ -155,15 +155,19 @@ class Worker:
                 tree = TreeShape(k, spec.tree.topk, spec.tree.size, spec.tree.paths)
             if self.draft_head is not None:
                 proposer = EagleProposer(
-                    self.draft_head, kv_cache, block_size, k, sample, compile_options, tree
-                )
+                    self.draft_head, kv_cache, block_size, k, sample, compile_options, tree,
+                    spec.min_draft_confidence,
+                )  # fmt: skip
             elif self.draft_lm is not None:
                 draft_kv = PagedKVCache(draft_lm_shapes, num_blocks, block_size, dtype, device)
-                proposer = DraftModelProposer(self.draft_lm, draft_kv, block_size, k, sample, tree)
+                proposer = DraftModelProposer(
+                    self.draft_lm, draft_kv, block_size, k, sample, tree, spec.min_draft_confidence
+                )
             else:
                 proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
             if spec.hybrid_lookup_min is not None:
-                proposer = HybridProposer(proposer, spec.hybrid_lookup_min, spec.prompt_lookup_max)
+                min_match, max_n = spec.hybrid_lookup_min, spec.prompt_lookup_max
+                proposer = HybridProposer(proposer, k, min_match, max_n)
         self.runner = ModelRunner(
             self.model,
             kv_cache,
