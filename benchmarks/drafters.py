@@ -1,6 +1,7 @@
 """Drafters side by side on the default model, interleaved with speculation off: the
-shipped EAGLE-3 head, n-gram lookup, and the hybrid of the two (lookup where the context
-repeats, the head elsewhere; `speculative.hybrid_lookup_min`), at one k.
+shipped EAGLE-3 head, n-gram lookup, the hybrid of the two (lookup where the context
+repeats, the head elsewhere; `speculative.hybrid_lookup_min`), and the head and the
+hybrid with per-request chains (`speculative.min_draft_confidence`), at one k.
 
 Greedy, held-out chat prompts, `--new-tokens` each. Every engine stays up (compiled
 as configured, `CLUSTER_COMPILE`); each round runs every engine on every batch size, in
@@ -28,16 +29,19 @@ from cluster.speculative_config import builtin_head_path
 warnings.filterwarnings("ignore")
 
 
-def drafters(k: int, lookup_min: int) -> dict[str, dict | None]:
+def drafters(k: int, lookup_min: int, confidence: float) -> dict[str, dict | None]:
     head = {"method": "eagle3", "model": builtin_head_path("smollm2-eagle3")}
+    head = {**head, "num_speculative_tokens": k}
+    hybrid = {**head, "hybrid_lookup_min": lookup_min}
     return {
         "off": None,
-        "eagle3": {**head, "num_speculative_tokens": k},
+        "eagle3": head,
+        f"eagle3, confidence >= {confidence}": {**head, "min_draft_confidence": confidence},
         "ngram": {"method": "ngram", "num_speculative_tokens": k},
-        f"eagle3 + lookup (>= {lookup_min})": {
-            **head,
-            "num_speculative_tokens": k,
-            "hybrid_lookup_min": lookup_min,
+        f"eagle3 + lookup (>= {lookup_min})": hybrid,
+        f"eagle3 + lookup, confidence >= {confidence}": {
+            **hybrid,
+            "min_draft_confidence": confidence,
         },
     }
 
@@ -75,6 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument("--confidence", type=float, default=0.3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
@@ -84,7 +89,7 @@ def main() -> None:
     engine = dict(dtype="float32", max_model_len=512, max_num_seqs=max(args.batches))
     llms = {
         name: LLM(path, speculative_config=spec, **engine)
-        for name, spec in drafters(args.k, args.lookup_min).items()
+        for name, spec in drafters(args.k, args.lookup_min, args.confidence).items()
     }
     chats = heldout_chats(llms["off"], max(args.batches))
     runs: dict[tuple[str, int], list[dict[str, float]]] = {}
@@ -97,7 +102,7 @@ def main() -> None:
                     runs.setdefault((name, b), []).append(
                         measure(llms[name], chats[:b], args.new_tokens)
                     )
-                    print(f"  {name:28s} batch {b:3d} {runs[name, b][-1]}", flush=True)
+                    print(f"  {name:40s} batch {b:3d} {runs[name, b][-1]}", flush=True)
     finally:
         for llm in llms.values():
             llm.shutdown()

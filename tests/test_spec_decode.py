@@ -86,19 +86,6 @@ def test_hybrid_drafting_is_lossless_and_uses_both_drafters(target, baseline, me
     assert [o.outputs[0].token_ids for o in outs] == baseline
 
 
-def test_draft_confidence_cuts_chains_per_request_losslessly(target, baseline):
-    """With min_draft_confidence, each request's chain ends where the draft doubts it:
-    fewer drafts per step than k, some steps none, the output unchanged."""
-    path, _, specs = target
-    spec = {**specs["draft_model"], "num_speculative_tokens": 5}
-    full, full_metrics = _run(path, spec, 5)
-    cut, cut_metrics = _run(path, {**spec, "min_draft_confidence": 0.2}, 5)
-    assert [o.token_ids for o in full] == [o.token_ids for o in cut] == baseline
-    per_step = cut_metrics["num_draft_tokens"] / cut_metrics["num_drafts"]
-    assert 0 < cut_metrics["num_draft_tokens"] < full_metrics["num_draft_tokens"]
-    assert per_step < 5
-
-
 def test_run_chain_cuts_where_the_chain_probability_falls():
     """Rows with draft probabilities 0.9, 0.9, 0.9 / 0.9, 0.1, 0.9 / 0.2, ...: at 0.3 the
     chains keep 3, 1 and 0 drafts (the chain probability is a running product)."""

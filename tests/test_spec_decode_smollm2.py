@@ -77,3 +77,26 @@ def test_lossless_on_smollm2(setup, method):
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
             assert llm.get_metrics()["num_draft_tokens"] > 0
         assert [o.outputs[0].token_ids for o in outs] == baseline, (method, k)
+
+
+def test_per_request_drafting_on_smollm2_is_lossless(setup):
+    """The shipped EAGLE-3 head with per-request chains (min_draft_confidence) and hybrid
+    lookup: fewer drafts per drafting step than k where the head doubts, lookup drafts
+    where the answers repeat, the output unchanged."""
+    from cluster.speculative_config import builtin_head_path
+
+    path, _, prompts, baseline = setup
+    spec = {
+        "method": "eagle3",
+        "model": builtin_head_path("smollm2-eagle3"),
+        "num_speculative_tokens": 4,
+        "min_draft_confidence": 0.3,
+        "hybrid_lookup_min": 2,
+    }
+    with LLM(path, speculative_config=spec, **ENGINE) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        metrics = llm.get_metrics()
+        proposer = llm.engine.core.executor.worker.runner.proposer
+    assert [o.outputs[0].token_ids for o in outs] == baseline
+    assert 0 < metrics["num_draft_tokens"] < 4 * metrics["num_drafts"]
+    assert proposer.num_lookup_drafts > 0 and proposer.num_model_drafts > 0
