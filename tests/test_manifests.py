@@ -41,6 +41,8 @@ def test_default_manifest_is_the_embedded_default_with_its_eagle3_head(smollm2_p
         "model": "builtin:smollm2-eagle3",
         "num_speculative_tokens": 3,
         "adaptive": True,
+        "hybrid_lookup_min": 2,
+        "min_draft_confidence": 0.3,
     }
     spec = args.engine_config().speculative
     assert spec.resolved_method == "eagle3" and os.path.isfile(
