@@ -143,7 +143,10 @@ def test_hybrid_configs_are_checked(setup):
         )
     with pytest.raises(ValueError, match="own budget"):
         SpeculativeConfig(
-            model=head, num_speculative_tokens=2, min_draft_confidence=0.3, tree={"topk": 2}
+            model=head,
+            num_speculative_tokens=2,
+            min_draft_confidence=0.3,
+            tree={"topk": 2, "num_nodes": 4},
         )
     ok = SpeculativeConfig(
         model=head, num_speculative_tokens=2, hybrid_lookup_min=3, min_draft_confidence=0.3
