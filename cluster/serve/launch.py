@@ -38,7 +38,7 @@ def start_http(host: str = "127.0.0.1", port: int | None = None) -> tuple[str, i
 
 
 def deploy(manifest: Manifest, host: str | None = None, port: int | None = None) -> tuple[Any, str]:
-    """Deploy and wait until RUNNING; returns the ingress handle and the base URL
+    """Deploy and wait until RUNNING; returns the LLMServer handle and the base URL
     (OpenAI clients use `<base URL>/v1`). A failed deploy removes the application."""
     try:  # a bad manifest fails here, before Serve or any actor starts
         app = build_openai_app(manifest.args, manifest.deployments)

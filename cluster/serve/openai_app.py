@@ -138,7 +138,7 @@ def _authorized(scope: Scope, key: str) -> bool:
 
 def make_openai_app() -> FastAPI:
     app = FastAPI(title="cluster: OpenAI-compatible API")
-    app.state.api_key = None  # the ingress sets it where it runs
+    app.state.api_key = None  # each replica sets it where it runs
     app.add_middleware(BearerAuth)
 
     @app.exception_handler(RequestValidationError)
