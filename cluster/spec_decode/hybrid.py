@@ -37,9 +37,7 @@ class HybridProposer:
         return self.model.warm_up()
 
     def propose(self, batch: ProposalBatch) -> DraftProposal:
-        proposal = self.model.propose(batch)
-        if proposal.parents is not None and any(p is not None for p in proposal.parents):
-            raise ValueError("hybrid drafting drafts chains; the model proposed a tree")
+        proposal = self.model.propose(batch)  # chains: SpeculativeConfig refuses trees here
         token_ids, probs = list(proposal.token_ids), list(proposal.probs)
         k = self.k if batch.num_drafts is None else min(self.k, batch.num_drafts)
         for i, history in enumerate(batch.token_history):
