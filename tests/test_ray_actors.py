@@ -64,6 +64,11 @@ def test_tp2_worker_actors_match_in_process_engine(ray_session, tiny, channel):
     assert [w["rank"] for w in layout] == [0, 1]
     assert sorted(w["bundle"] for w in layout) == [0, 1]
     assert len({w["pid"] for w in layout}) == 2  # two processes, one shard each
+    # CPU workers start with a short OpenMP spin (placement.omp_spin_count)
+    for w in layout:
+        with open(f"/proc/{w['pid']}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        assert env[b"GOMP_SPINCOUNT"] == str(HALF_CPU.omp_spin_count).encode()
     engine = build_engine(config, executor)
     assert type(executor.step_channel) is CHANNELS[channel]
     try:
@@ -269,6 +274,44 @@ def test_a_stream_asks_its_interval_after_each_output():
 
     assert asyncio.run(main([0.0, 0.0, 0.0])) == ([0, 1, 2, 3], 3)
     assert asyncio.run(main([10.0])) == ([0, 3], 1)
+
+
+def test_a_request_that_does_not_stream_gets_only_its_first_and_final_outputs(tiny):
+    """`first_and_final` streams (how a replica's client waits for a whole answer) get
+    the first output and the final one, the same final output as a stream of every step."""
+    from transformers import AutoTokenizer
+
+    from cluster.engine.frontend import FrontEnd
+    from cluster.engine.messages import EngineCoreOutput
+
+    config = engine_config_from_args(tiny, device="cpu", **ENGINE)
+    frontend = FrontEnd(AutoTokenizer.from_pretrained(tiny), config.model)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    tokens = frontend.tokenizer.encode(" one two three four five")[:5]
+
+    async def main():
+        queues = {}
+        for request_id, first_and_final in (("whole", True), ("stream", False)):
+            frontend.admit(request_id, "Count:", params)
+            queues[request_id] = frontend.open_stream(request_id, params, first_and_final)
+        for i, token in enumerate(tokens):
+            reason = "length" if i == len(tokens) - 1 else None
+            frontend.process([EngineCoreOutput(r, [token], finish_reason=reason) for r in queues])
+        return {r: [q.get_nowait() for _ in range(q.qsize())] for r, q in queues.items()}
+
+    got = asyncio.run(main())
+    assert [len(o.outputs[0].token_ids) for o in got["stream"]] == [1, 2, 3, 4, 5]
+    assert [len(o.outputs[0].token_ids) for o in got["whole"]] == [1, 5]
+    whole, stream = got["whole"][-1].outputs[0], got["stream"][-1].outputs[0]
+    assert got["whole"][-1].finished and whole.finish_reason == "length"
+    assert (
+        (whole.token_ids, whole.text)
+        == (stream.token_ids, stream.text)
+        == (
+            tokens,
+            frontend.tokenizer.decode(tokens),
+        )
+    )
 
 
 def test_a_stream_is_rate_limited_not_delayed():

@@ -24,6 +24,7 @@ import contextvars
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
+from math import inf
 from typing import Any
 
 import ray
@@ -101,7 +102,11 @@ class EngineClient:
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
         request = self.frontend.admit(request_id, prompt, params)
-        queue = self.frontend.open_stream(request_id, request.sampling_params)
+        # Merging without end (inf) yields the first output and the final one: only
+        # those are built and queued.
+        queue = self.frontend.open_stream(
+            request_id, request.sampling_params, first_and_final=interval_s == inf
+        )
         finished = False
         try:
             self._ensure_pump()

@@ -7,12 +7,12 @@ Plain data only, like the scheduler <-> worker messages: no pickled objects.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
-from cluster.engine.messages import EngineCoreOutput, TokenLogprobs
+from cluster.engine.messages import EngineCoreOutput, TokenLogprobs, pack
 from cluster.engine.request import Request
 from cluster.sampling_params import SamplingParams
 
@@ -62,13 +62,7 @@ class OutputBatch:
     error: str | None = None  # set once the step loop has died
 
     def encode(self) -> bytes:
-        return msgpack.packb(
-            {
-                "outputs": [asdict(o) for o in self.outputs],
-                "stats": asdict(self.stats),
-                "error": self.error,
-            }
-        )
+        return pack(self)
 
     @staticmethod
     def decode(payload: bytes) -> OutputBatch:

@@ -35,6 +35,10 @@ class _Stream:
     queue: asyncio.Queue  # RequestOutput items, or the exception that ends the stream
     loop: asyncio.AbstractEventLoop
     holdback: int  # characters held back while a stop string may be forming
+    # Only the first output (its time is the time to first token) and the final one are
+    # wanted: a request that does not stream. Nothing is built or queued for the others.
+    first_and_final: bool
+    started: bool = False  # an output was queued
 
 
 class FrontEnd:
@@ -96,6 +100,9 @@ class FrontEnd:
                 continue
             if state.finish_reason is not None:
                 del self._streams[state.request_id]
+            elif stream.first_and_final and stream.started:
+                continue
+            stream.started = True
             _put(stream, state.output(stream.holdback))
         return updated, stopped
 
@@ -108,10 +115,13 @@ class FrontEnd:
         return state
 
     # ---- streams -------------------------------------------------------------------------
-    def open_stream(self, request_id: str, params: SamplingParams) -> asyncio.Queue:
-        """A queue of the request's outputs for the running event loop."""
+    def open_stream(
+        self, request_id: str, params: SamplingParams, first_and_final: bool = False
+    ) -> asyncio.Queue:
+        """A queue of the request's outputs for the running event loop (with
+        `first_and_final`, of its first and its final output alone)."""
         holdback = max((len(s) for s in params.stop), default=1) - 1
-        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop(), holdback)
+        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop(), holdback, first_and_final)
         self._streams[request_id] = stream
         return stream.queue
 
@@ -191,7 +201,16 @@ def check_params(
 
 
 def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
-    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    """Queue `item` from any thread (at once from the stream's own loop, which is where
+    a Ray engine client's pump runs; a thread of the in-process engine wakes that loop)."""
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if here is stream.loop:
+        stream.queue.put_nowait(item)
+    else:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
 
 async def stream_outputs(

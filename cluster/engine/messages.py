@@ -7,12 +7,29 @@ worker that reports (TP rank 0 of the last pipeline stage).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+from pydantic import BaseModel
 
 from cluster.sampling_params import SamplingParams
+
+
+def pack(record: Any) -> bytes:
+    """msgpack of a record of this module (or `cluster.actors.wire`): each dataclass
+    becomes the map of its fields and a pydantic model its dump, as msgpack reaches them
+    (no deep copy first, as `dataclasses.asdict` makes: a step's messages are packed
+    several times faster)."""
+    return msgpack.packb(record, default=_fields)
+
+
+def _fields(obj: Any) -> Any:
+    if hasattr(obj, "__dataclass_fields__"):
+        return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
+    if isinstance(obj, BaseModel):
+        return obj.model_dump()
+    raise TypeError(f"cannot pack {type(obj).__name__}")
 
 
 @dataclass(frozen=True)
@@ -59,10 +76,7 @@ class SchedulerOutput:
         return sum(len(s.token_ids) for s in self.scheduled)
 
     def encode(self) -> bytes:
-        data = asdict(self)
-        for new, req in zip(data["new_requests"], self.new_requests, strict=True):
-            new["sampling_params"] = req.sampling_params.model_dump()
-        return msgpack.packb(data)
+        return pack(self)
 
     @staticmethod
     def decode(payload: bytes) -> SchedulerOutput:
@@ -124,7 +138,7 @@ class ModelRunnerOutput:
     accepted_nodes: dict[str, list[int]] = field(default_factory=dict)
 
     def encode(self) -> bytes:
-        return msgpack.packb(asdict(self))
+        return pack(self)
 
     @staticmethod
     def decode(payload: bytes) -> ModelRunnerOutput:
