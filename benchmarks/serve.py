@@ -6,8 +6,13 @@ OpenAI route, with the `openai` client), streamed and not, at concurrency 1 and 
 until `--requests-per-client` each are done; in process, each round of `c` requests is
 one batch. Both engines stay up and the paths run interleaved (every path, then every
 path in reverse, `--rounds` times); the table reports medians. Prints a markdown table; the last column is throughput relative to the
-in-process engine, and the lines below it estimate what Ray adds per engine step at
-concurrency 1 (each step is one token then, without speculation).
+in-process engine. For the Ray paths the second table splits an engine step as the
+client sees it (wall time over steps) into the worker's own step, the scheduler actor's
+round trip to it (scheduling, the step socket, applying the result) and the rest
+(outputs to the replica, the replica, Serve, the client, and each request's own
+calls spread over its steps), from the scheduler actor's
+cumulative timings; the last lines estimate what Ray adds per engine step at
+concurrency 1 from latencies (each step is one token then, without speculation).
 
     python benchmarks/serve.py [--manifest manifests/default.yaml] [--no-spec]
 """
@@ -49,14 +54,27 @@ def in_process(llm, params, concurrency: int, per_client: int) -> dict:
     """The same engine here: `per_client` rounds of `concurrency` requests, each round one
     `LLM.generate` batch (clients in lockstep; with ignore_eos they finish together)."""
     llm.generate(PROMPTS[:1], params, use_tqdm=False)  # warm-up
+    core = llm.engine.core
+    steps = [0]
+    step = core.step
+
+    def counted() -> list:
+        steps[0] += 1
+        return step()
+
+    core.step = counted
     latencies, tokens, start = [], 0, time.perf_counter()
-    for r in range(per_client):
-        batch = PROMPTS[r * concurrency : (r + 1) * concurrency]
-        begin = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        latencies += [time.perf_counter() - begin] * len(batch)
-        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-    return _summary(latencies, tokens, time.perf_counter() - start)
+    try:
+        for r in range(per_client):
+            batch = PROMPTS[r * concurrency : (r + 1) * concurrency]
+            begin = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
+            latencies += [time.perf_counter() - begin] * len(batch)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    finally:
+        del core.step  # the class's own method again
+    wall = time.perf_counter() - start
+    return {**_summary(latencies, tokens, wall), "client_ms": 1e3 * wall / max(1, steps[0])}
 
 
 def _summary(latencies: list[float], tokens: int, wall: float) -> dict[str, float]:
@@ -66,6 +84,42 @@ def _summary(latencies: list[float], tokens: int, wall: float) -> dict[str, floa
         "p50": statistics.median(latencies),
         "p90": q[8],
         "tok_s": tokens / wall,
+    }
+
+
+def scheduler_actor():
+    """The deployment's scheduler actor (one replica: one engine)."""
+    import ray
+
+    from cluster.actors.placement import ACTOR_NAMESPACE
+
+    (name,) = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == ACTOR_NAMESPACE and a["name"].endswith("-scheduler")
+    ]
+    return ray.get_actor(name, namespace=ACTOR_NAMESPACE)
+
+
+def with_step_timings(run: Callable[[], dict[str, float]], scheduler) -> dict[str, float]:
+    """`run()`'s summary plus per-step milliseconds: the worker's own step, the scheduler
+    actor's step and the client's (wall time over the steps taken meanwhile)."""
+    import ray
+
+    before = ray.get(scheduler.timings.remote())
+    start = time.perf_counter()
+    summary = run()
+    wall = time.perf_counter() - start
+    after = ray.get(scheduler.timings.remote())
+    steps = max(1, after["steps"] - before["steps"])
+    worker_s = sum(w["step_s"] for w in after["workers"][-1:]) - sum(
+        w["step_s"] for w in before["workers"][-1:]
+    )
+    return {
+        **summary,
+        "worker_ms": 1e3 * worker_s / steps,
+        "scheduler_ms": 1e3 * (after["step_s"] - before["step_s"]) / steps,
+        "client_ms": 1e3 * wall / steps,
     }
 
 
@@ -164,9 +218,11 @@ def main() -> None:
         paths: dict[str, Callable[[int], dict[str, float]]] = {
             base: lambda c: in_process(llm, params, c, args.requests_per_client)
         }
-        for name, call in ray_calls(manifest, params).items():
-            paths[name] = lambda c, call=call: asyncio.run(
-                measure(call, c, args.requests_per_client)
+        calls = ray_calls(manifest, params)
+        scheduler = scheduler_actor()
+        for name, call in calls.items():
+            paths[name] = lambda c, call=call: with_step_timings(
+                lambda: asyncio.run(measure(call, c, args.requests_per_client)), scheduler
             )
         for _ in range(args.rounds):
             for c in args.concurrency:
@@ -194,6 +250,21 @@ def main() -> None:
         print(
             f"| {name} | {c} | {r['mean']:.3f} | {r['p50']:.3f} | {r['p90']:.3f} "
             f"| {r['tok_s']:.1f} | {ratio:.2f}x |"
+        )
+    print(
+        "\n| path | concurrency | ms/step (client) | worker's own ms/step | scheduler actor "
+        "round trip (us) | outputs to the client (us) | Ray in all (us) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for (name, c), r in results.items():
+        if "worker_ms" not in r:
+            print(f"| {name} | {c} | {r['client_ms']:.1f} | | | | |")
+            continue
+        print(
+            f"| {name} | {c} | {r['client_ms']:.1f} | {r['worker_ms']:.1f} "
+            f"| {1e3 * (r['scheduler_ms'] - r['worker_ms']):.0f} "
+            f"| {1e3 * (r['client_ms'] - r['scheduler_ms']):.0f} "
+            f"| {1e3 * (r['client_ms'] - r['worker_ms']):.0f} |"
         )
     unit = "step" if spec == "off" else "token"  # with drafts, a step makes several tokens
     if 1 in args.concurrency:

@@ -32,12 +32,6 @@ class PlacementConfig(BaseModel):
     # "compiled_graph" with GPUs and "sockets" without. If the channel cannot be set up,
     # the engine falls back to tasks (and logs why).
     step_channel: Literal["auto", "compiled_graph", "sockets", "tasks"] = "auto"
-    # GOMP_SPINCOUNT of CPU workers: how many times an idle OpenMP thread of torch polls
-    # for work before it sleeps. libgomp's default (300000, ~5 ms here) keeps a core busy
-    # after every step, while the scheduler actor and the replica need it to prepare the
-    # next one; 30000 (~0.5 ms) still covers the gaps between a step's kernels. None
-    # leaves libgomp's default (or the environment's).
-    omp_spin_count: int | None = Field(default=30000, ge=0)
 
     @property
     def resolved_step_channel(self) -> str:
@@ -55,12 +49,6 @@ class PlacementConfig(BaseModel):
                 bundle["GPU"] = 1.0
             out.append(bundle)
         return out
-
-    def worker_env(self) -> dict[str, str]:
-        """Environment variables of each worker process (set before torch loads)."""
-        if self.use_gpu or self.omp_spin_count is None:
-            return {}
-        return {"GOMP_SPINCOUNT": str(self.omp_spin_count)}
 
     @property
     def torch_threads(self) -> int:

@@ -96,7 +96,6 @@ class RayExecutor(Executor):
 
     def _start_workers(self, world_size: int, name_prefix: str | None, timeout_s: float) -> None:
         start = time.monotonic()
-        env = _worker_env(self.placement)
         actors = []
         for bundle in range(world_size):
             options: dict[str, Any] = {
@@ -106,8 +105,6 @@ class RayExecutor(Executor):
             }
             if name_prefix:
                 options.update(name=f"{name_prefix}-worker-{bundle}", namespace=ACTOR_NAMESPACE)
-            if env:
-                options["runtime_env"] = {"env_vars": env}
             actors.append(
                 WorkerActor.options(**options).remote(bundle, self.placement.torch_threads)
             )
@@ -296,16 +293,6 @@ def _worker_error(rank: int | str, error: Exception) -> RuntimeError:
         return RuntimeError(f"worker rank {rank} is dead ({error})")
     cause = getattr(error, "cause", None) or error
     return RuntimeError(f"worker rank {rank}'s step failed: {type(cause).__name__}: {cause}")
-
-
-def _worker_env(placement: PlacementConfig) -> dict[str, str]:
-    """The workers' environment variables: this process's runtime env's (an actor's own
-    `runtime_env` replaces them) with `placement.worker_env()` over them."""
-    env = placement.worker_env()
-    if not env:
-        return {}
-    inherited = ray.get_runtime_context().runtime_env.get("env_vars") or {}
-    return {**inherited, **env}
 
 
 def _process_exists(pid: int) -> bool:
