@@ -112,9 +112,7 @@ def with_step_timings(run: Callable[[], dict[str, float]], scheduler) -> dict[st
     wall = time.perf_counter() - start
     after = ray.get(scheduler.timings.remote())
     steps = max(1, after["steps"] - before["steps"])
-    worker_s = sum(w["step_s"] for w in after["workers"][-1:]) - sum(
-        w["step_s"] for w in before["workers"][-1:]
-    )
+    worker_s = after["workers"][-1]["step_s"] - before["workers"][-1]["step_s"]  # last rank
     return {
         **summary,
         "worker_ms": 1e3 * worker_s / steps,
