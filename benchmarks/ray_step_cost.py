@@ -45,24 +45,17 @@ def in_process(config: Any, prompts: list[str], params: Any) -> dict[str, float]
     from cluster.llm import build_engine
 
     engine = AsyncLLM(build_engine(config))
-    core = engine.engine.core
-    steps = [0]
-    original = core.step
-
-    def counted() -> Any:
-        steps[0] += 1
-        return original()
-
-    core.step = counted
+    scheduler = engine.engine.core.scheduler
     try:
         asyncio.run(_run_all(engine.generate, prompts[:1], params))  # warm-up
-        steps[0] = 0
+        first_step = scheduler.step_id
         start = time.perf_counter()
         tokens = asyncio.run(_run_all(engine.generate, prompts, params))
         wall = time.perf_counter() - start
+        steps = scheduler.step_id - first_step
     finally:
         engine.shutdown()
-    return {"step_ms": 1e3 * wall / steps[0], "tok_s": tokens / wall}
+    return {"step_ms": 1e3 * wall / steps, "tok_s": tokens / wall}
 
 
 def on_ray(config: Any, prompts: list[str], params: Any, channel: str) -> dict[str, float]:

@@ -54,27 +54,18 @@ def in_process(llm, params, concurrency: int, per_client: int) -> dict:
     """The same engine here: `per_client` rounds of `concurrency` requests, each round one
     `LLM.generate` batch (clients in lockstep; with ignore_eos they finish together)."""
     llm.generate(PROMPTS[:1], params, use_tqdm=False)  # warm-up
-    core = llm.engine.core
-    steps = [0]
-    step = core.step
-
-    def counted() -> list:
-        steps[0] += 1
-        return step()
-
-    core.step = counted
+    scheduler = llm.engine.core.scheduler
+    first_step = scheduler.step_id
     latencies, tokens, start = [], 0, time.perf_counter()
-    try:
-        for r in range(per_client):
-            batch = PROMPTS[r * concurrency : (r + 1) * concurrency]
-            begin = time.perf_counter()
-            outs = llm.generate(batch, params, use_tqdm=False)
-            latencies += [time.perf_counter() - begin] * len(batch)
-            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-    finally:
-        del core.step  # the class's own method again
+    for r in range(per_client):
+        batch = PROMPTS[r * concurrency : (r + 1) * concurrency]
+        begin = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        latencies += [time.perf_counter() - begin] * len(batch)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     wall = time.perf_counter() - start
-    return {**_summary(latencies, tokens, wall), "client_ms": 1e3 * wall / max(1, steps[0])}
+    steps = max(1, scheduler.step_id - first_step)
+    return {**_summary(latencies, tokens, wall), "client_ms": 1e3 * wall / steps}
 
 
 def _summary(latencies: list[float], tokens: int, wall: float) -> dict[str, float]:

@@ -84,6 +84,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
+    def step_id(self) -> int:
+        """The latest `SchedulerOutput`'s id: how many batches were scheduled so far."""
+        return self._step_id
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
