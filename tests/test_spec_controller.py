@@ -18,10 +18,10 @@ def drive(controller, batch_size, goodput_of_k, steps):
     return used
 
 
-def test_tries_every_count_from_the_largest_then_keeps_the_best():
+def test_climbs_from_speculation_off_while_goodput_rises_then_keeps_the_best():
     c = SpecController(max_drafts=3, window_steps=2, explore_every=4)
     used = drive(c, 1, {0: 10, 1: 15, 2: 25, 3: 20}, 8)
-    assert used == [3, 3, 2, 2, 1, 1, 0, 0]  # each arm measured for one window
+    assert used == [0, 0, 1, 1, 2, 2, 3, 3]  # each arm measured for one window
     used = drive(c, 1, {0: 10, 1: 15, 2: 25, 3: 20}, 40)
     assert used.count(2) > 0.7 * len(used)  # exploits the best ...
     assert {1, 3} <= set(used) and 0 not in used  # ... and re-checks its neighbours only
@@ -29,7 +29,8 @@ def test_tries_every_count_from_the_largest_then_keeps_the_best():
 
 def test_turns_speculation_off_where_it_does_not_pay_and_buckets_are_independent():
     c = SpecController(max_drafts=3, window_steps=2, explore_every=5)
-    drive(c, 16, {0: 100, 1: 90, 2: 80, 3: 70}, 8)
+    used = drive(c, 16, {0: 100, 1: 90, 2: 80, 3: 70}, 8)
+    assert used == [0, 0, 1, 1, 0, 0, 0, 0]  # one window of k = 1 shows drafting loses
     assert c.num_drafts(16) == 0 and c.num_drafts(12) == 0  # same bucket (9-16)
     # A new batch size starts from the nearest measured one's choice (no full sweep) ...
     used = drive(c, 1, {0: 10, 1: 15, 2: 20, 3: 28}, 8)
@@ -39,7 +40,7 @@ def test_turns_speculation_off_where_it_does_not_pay_and_buckets_are_independent
     assert used[-20:].count(3) >= 14
     summary = c.summary()
     assert summary["9-16"]["num_drafts"] == 0
-    assert summary["9-16"]["goodput_by_num_drafts"] == [100, 90, 80, 70]
+    assert summary["9-16"]["goodput_by_num_drafts"][:2] == [100, 90]
     assert all(g is not None for g in summary["1"]["goodput_by_num_drafts"])
 
 
@@ -71,9 +72,9 @@ def test_a_marginal_gain_does_not_turn_drafting_on():
 def test_steps_decided_before_a_switch_are_not_credited_to_the_new_count():
     c = SpecController(max_drafts=2, window_steps=1)
     k = c.num_drafts(1)
-    c.observe(1, k, 30, 1.0)  # window over: the controller moves to k - 1
+    c.observe(1, k, 30, 1.0)  # window over: the controller moves to k + 1
     c.observe(1, k, 1000, 1.0)  # a late step of the old k
-    assert c.summary()["1"]["goodput_by_num_drafts"] == [None, None, 30.0]
+    assert c.summary()["1"]["goodput_by_num_drafts"] == [30.0, None, None]
 
 
 @pytest.mark.parametrize("batch_size,bucket", [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (16, 4)])
@@ -103,5 +104,5 @@ def test_adaptive_engine_is_lossless(tmp_path, smollm2_path, method):
         llm.engine.core.block_manager.check_no_leaks()
     assert [o.outputs[0].token_ids for o in outs] == reference
     bucket = summary["3-4"]  # the decode batch: 3 requests
-    assert bucket["windows"] >= 4  # every draft count 3..0 was measured
-    assert all(g is not None for g in bucket["goodput_by_num_drafts"])
+    assert bucket["windows"] >= 4  # k changed window to window ...
+    assert None not in bucket["goodput_by_num_drafts"][:2]  # ... from 0 to 1 at least

@@ -7,8 +7,11 @@ k = 0..K as an arm, separately for each batch-size bucket (1, 2, 3-4, 5-8, ...),
 measures each arm's goodput: output tokens per second of engine step time, averaged
 over windows of `window_steps` steps during which k is held.
 
-- Buckets created before anything is measured (the first batch sizes seen) measure
-  every arm in a row (K first), then keep the best.
+- Buckets created before anything is measured (the first batch sizes seen) climb: they
+  start at k = 0 (speculation off) and measure k + 1 while each arm beats the one below,
+  then keep the best. The first steps therefore run no slower than speculation off but
+  for at most one window of an arm past the peak (one window of k = 1 where drafting
+  does not pay), instead of a sweep through every arm, the worst included.
 - A bucket that has measured fewer than two arms follows the nearest bucket that has.
 - Probes are local and back off: every `explore_every` windows a neighbour of the
   chosen k (k - 1 or k + 1, untried first) is measured for one window; while probes
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 class _Bucket:
     goodput: list[float | None]  # per k: tokens / s, exponential moving average over windows
     current: int  # the arm being measured or used
-    sweeping: bool  # measuring every arm in a row
+    sweeping: bool  # climbing from k = 0 while goodput rises
     tokens: int = 0  # this window so far
     seconds: float = 0.0
     steps: int = 0
@@ -82,7 +85,7 @@ class SpecController:
         if key not in self._buckets:
             # Until some bucket has measured an arm, a new bucket measures all of its own.
             known = any(g is not None for b in self._buckets.values() for g in b.goodput)
-            bucket = _Bucket([None] * (self.max_drafts + 1), self.max_drafts, sweeping=not known)
+            bucket = _Bucket([None] * (self.max_drafts + 1), 0, sweeping=not known)
             self._buckets[key] = bucket
             if known:
                 bucket.current = self._choice(key)
@@ -137,11 +140,13 @@ class SpecController:
         )
         bucket.tokens, bucket.seconds, bucket.steps = 0, 0.0, 0
         bucket.windows += 1
-        untried = bucket.untried
-        if bucket.sweeping and untried:
-            bucket.current = untried[0]
-            return
-        bucket.sweeping = False
+        if bucket.sweeping:
+            k, goodput = bucket.current, bucket.goodput
+            rising = k == 0 or goodput[k] > goodput[k - 1]  # type: ignore[operator]
+            if rising and k < self.max_drafts:
+                bucket.current = k + 1
+                return
+            bucket.sweeping = False
         choice = self._choice(key)
         if bucket.probing:  # a probe just ended: probe less often while nothing changes
             bucket.probing, bucket.since_probe = False, 0
