@@ -15,6 +15,7 @@ from cluster.parallel import ParallelState
 from cluster.speculative_config import SpeculativeConfig
 from cluster.train.dataset import Sample, cache_features
 from cluster.train.eagle3_model import Eagle3Trainable
+from cluster.train.loop import collate
 from cluster.train.trainer import (
     TrainConfig,
     draft_vocabulary,
@@ -94,6 +95,29 @@ def test_trainable_equals_the_inference_head_with_teacher_forcing(setup):
                 )
                 tokens.append(int(ids[anchor + 2 + step]))  # teacher forcing, as in training
                 hidden_in = torch.cat([hidden_in, nh[-1:]])
+
+
+def test_a_window_of_rows_computes_exactly_those_rows_of_the_full_forward(setup):
+    """Training computes only rows with labels (prompt rows give step-0 keys alone): their
+    logits must be the full forward's, for sequences of different lengths and prompts."""
+    _, hf, root, _ = setup
+    shards = load_shards(str(root / "features"))
+    torch.manual_seed(3)
+    trainable = Eagle3Trainable(hf.config, 300, hf.model.embed_tokens.weight.detach())
+    batch = collate(shards, [0, 1, 2], None, 3)
+    batch = type(batch)(*list(batch.__dict__.values())[:4], torch.tensor([2, 9, 5]))
+    anchors, labels = batch.window()
+    assert anchors[1, 0] == 9 and anchors.shape[1] == 20 - 9
+    with torch.no_grad():
+        full = trainable(batch.ids, batch.features, batch.valid, 3)
+        window = trainable(batch.ids, batch.features, batch.valid, 3, anchors)
+    for step in range(3):
+        assert torch.equal(labels[step], batch.labels[step].gather(1, anchors))
+        for b, n in enumerate(batch.valid.sum(1).tolist()):
+            rows = anchors[b][anchors[b] < n].unique()
+            torch.testing.assert_close(
+                window[step][b, : len(rows)], full[step][b, rows], atol=1e-5, rtol=1e-5
+            )
 
 
 def test_short_training_lowers_the_loss_and_stays_lossless(setup):

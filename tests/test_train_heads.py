@@ -24,6 +24,7 @@ from cluster.train.eagle_mtp_trainer import (
 )
 from cluster.train.loop import TrainConfig, collate, load_shards
 from cluster.train.mtp_model import DeepSeekMTPTrainable
+from cluster.train.ttt import gather_rows
 
 METHODS = ("eagle", "mtp")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -94,8 +95,9 @@ def test_eagle_loss_targets_are_the_next_hidden_state_and_token(setup):
     head = hf.lm_head.weight.detach()
 
     class Oracle(torch.nn.Module):
-        def outputs(self, ids, feats, valid, steps):
-            return [torch.roll(feats, -(1 + j), dims=1) for j in range(steps)]
+        def outputs(self, ids, feats, valid, steps, anchors=None):
+            rolled = [torch.roll(feats, -(1 + j), dims=1) for j in range(steps)]
+            return rolled if anchors is None else [gather_rows(r, anchors) for r in rolled]
 
         def logits(self, output):
             return output @ head.T
@@ -106,6 +108,9 @@ def test_eagle_loss_targets_are_the_next_hidden_state_and_token(setup):
     assert float(loss) == 0.0
     assert totals == [4 * 11] * 3  # every answer token after the first, at every step
     assert hits == totals
+    # the token loss alone (MTP) computes only the labelled rows: the same labels line up
+    _, hits, totals = chain_step(Oracle(), TrainConfig(ttt_steps=3), 0.0, 1.0)(batch)
+    assert totals == [4 * 11] * 3 and hits == totals
 
 
 @pytest.mark.parametrize("method", METHODS)

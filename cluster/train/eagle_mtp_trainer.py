@@ -38,12 +38,16 @@ def chain_step(
     the target's next hidden state."""
 
     def step(batch: Batch) -> tuple[torch.Tensor, list[int], list[int]]:
-        outputs = model.outputs(batch.ids, batch.features, batch.valid, config.ttt_steps)
+        # the regression needs every position; the token loss only the labelled rows
+        anchors, step_labels = (None, batch.labels) if regression_weight else batch.window()
+        outputs = model.outputs(
+            batch.ids, batch.features, batch.valid, config.ttt_steps, anchors=anchors
+        )
         lengths = batch.valid.sum(1)
         rows = torch.arange(batch.ids.shape[1], device=batch.ids.device)
         total = outputs[0].sum() * 0.0  # keeps the graph when a batch has no labels
         hits, totals = [], []
-        for j, (out, labels) in enumerate(zip(outputs, batch.labels, strict=True)):
+        for j, (out, labels) in enumerate(zip(outputs, step_labels, strict=True)):
             loss = out.new_zeros(())
             if regression_weight:
                 has_next = rows[None] < (lengths - 1 - j)[:, None]  # the target state at p+1+j

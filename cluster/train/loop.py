@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from cluster.train.ttt import row_window
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -49,6 +51,7 @@ class Batch:
     features: torch.Tensor  # [B, T, F] float32
     valid: torch.Tensor  # [B, T] bool: real tokens
     labels: list[torch.Tensor]  # per TTT step [B, T]: the token row p predicts, or -100
+    first_row: torch.Tensor  # [B] int64: the first row with a label at any step
 
     def to(self, device: torch.device) -> Batch:
         return Batch(
@@ -56,7 +59,14 @@ class Batch:
             self.features.to(device),
             self.valid.to(device),
             [lab.to(device) for lab in self.labels],
+            self.first_row.to(device),
         )
+
+    def window(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(anchors [B, W], each step's labels [B, W]) of the rows that have a label at some
+        step (`ttt.row_window`): what a head trained on labels alone needs to compute."""
+        anchors = row_window(self.first_row, self.valid)
+        return anchors, [lab.gather(1, anchors) for lab in self.labels]
 
 
 # batch -> (loss, correct top-1 predictions per step, counted predictions per step)
@@ -104,6 +114,7 @@ def collate(
     feats = torch.zeros(len(rows), length, width)
     valid = torch.zeros(len(rows), length, dtype=torch.bool)
     labels = [torch.full((len(rows), length), -100, dtype=torch.int64) for _ in range(steps)]
+    first_row = torch.tensor([max(0, r["answer_start"] - steps) for r in rows])
     for b, r in enumerate(rows):
         n = len(r["token_ids"])
         ids[b, :n] = torch.tensor(r["token_ids"])
@@ -115,7 +126,7 @@ def collate(
             if last > first:
                 tokens = ids[b, first + 2 + step : last + 2 + step]
                 labels[step][b, first:last] = tokens if label_map is None else label_map[tokens]
-    return Batch(ids, feats, valid, labels)
+    return Batch(ids, feats, valid, labels, first_row)
 
 
 def top1_hits(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:

@@ -15,7 +15,7 @@ import time
 import torch
 
 from cluster.models.eagle3 import eagle3_aux_layers
-from cluster.train.dataset import cache_features, generate_answers
+from cluster.train.dataset import answer_with_follow_ups, cache_features
 from cluster.train.eagle_mtp_trainer import train_chain_head
 from cluster.train.prompts import build_prompts
 from cluster.train.trainer import TrainConfig, train_eagle3
@@ -31,6 +31,9 @@ def train_draft(
     num_prompts: int | None,
     config: TrainConfig,
     method: str = "eagle3",
+    answers_dir: str | None = None,
+    num_eval_prompts: int = 256,
+    follow_up_fraction: float = 0.2,
 ) -> dict:
     from safetensors import safe_open
 
@@ -43,16 +46,19 @@ def train_draft(
     # EAGLE-3 reads three aux residual streams; EAGLE-1 and MTP the final hidden state
     aux = eagle3_aux_layers(int(hf.num_hidden_layers)) if method == "eagle3" else ()
     features = "features" if method == "eagle3" else "final_hidden"
-    train_prompts, eval_prompts = build_prompts(seed=config.seed)
+    train_chats, eval_chats = build_prompts(seed=config.seed)
     if num_prompts is not None:
-        train_prompts = train_prompts[:num_prompts]
+        train_chats = train_chats[:num_prompts]
+    eval_chats = eval_chats[:num_eval_prompts]
+    answers_dir = answers_dir or os.path.join(work_dir, "answers")
     os.makedirs(work_dir, exist_ok=True)
     started = time.time()
-    splits = {}
-    for name, prompts in (("train", train_prompts), ("eval", eval_prompts)):
-        samples = generate_answers(
-            target, prompts, max_tokens, os.path.join(work_dir, f"answers_{name}.jsonl")
+    splits, counts = {}, {}
+    for name, chats in (("train", train_chats), ("eval", eval_chats)):
+        samples = answer_with_follow_ups(
+            target, chats, max_tokens, answers_dir, name, follow_up_fraction, config.seed
         )
+        counts[name] = (len(samples), sum(len(s.token_ids) - s.answer_start for s in samples))
         splits[name] = cache_features(
             target, samples, aux, os.path.join(work_dir, f"{features}_{name}")
         )
@@ -72,8 +78,10 @@ def train_draft(
     recipe = {
         "method": method,
         "target": os.path.basename(os.path.normpath(target)),
-        "train_prompts": len(train_prompts),
-        "eval_prompts": len(eval_prompts),
+        "train_prompts": counts["train"][0],
+        "train_answer_tokens": counts["train"][1],
+        "eval_prompts": counts["eval"][0],
+        "eval_answer_tokens": counts["eval"][1],
         "max_tokens": max_tokens,
         "config": config.__dict__,
         "data_seconds": round(data_seconds),
@@ -96,9 +104,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", default=None, help="HF folder (default: the embedded SmolLM2)")
     parser.add_argument("--out", required=True, help="where the head is written")
     parser.add_argument("--work-dir", default=None, help="cache for answers and features")
-    parser.add_argument("--max-tokens", type=int, default=96, help="answer length per prompt")
+    parser.add_argument(
+        "--answers-dir",
+        default=None,
+        help="the answer stores (default: WORK_DIR/answers; the answers of the default "
+        "model are committed under data/answers/smollm2-135m-instruct)",
+    )
+    parser.add_argument("--max-tokens", type=int, default=128, help="answer length per prompt")
     parser.add_argument(
         "--num-prompts", type=int, default=None, help="use only the first N train prompts"
+    )
+    parser.add_argument("--num-eval-prompts", type=int, default=256)
+    parser.add_argument(
+        "--follow-up-fraction",
+        type=float,
+        default=0.2,
+        help="share of answered chats that get a second turn (multi-turn data)",
     )
     parser.add_argument("--epochs", type=int, default=TrainConfig.epochs)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
@@ -147,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
                 args.num_prompts,
                 config,
                 args.method,
+                args.answers_dir,
+                args.num_eval_prompts,
+                args.follow_up_fraction,
             ),
             indent=2,
         )

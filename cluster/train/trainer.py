@@ -60,9 +60,10 @@ def eagle3_step(model: Eagle3Trainable, config: TrainConfig) -> StepFn:
     """The EAGLE-3 `StepFn`: weighted cross-entropy of every TTT step (draft vocabulary)."""
 
     def step(batch: Batch) -> tuple[torch.Tensor, list[int], list[int]]:
-        outputs = model(batch.ids, batch.features, batch.valid, config.ttt_steps)
+        anchors, labels = batch.window()  # prompt rows give keys only
+        outputs = model(batch.ids, batch.features, batch.valid, config.ttt_steps, anchors)
         total, hits, totals = 0.0, [], []
-        for j, (logits, lab) in enumerate(zip(outputs, batch.labels, strict=True)):
+        for j, (logits, lab) in enumerate(zip(outputs, labels, strict=True)):
             total = total + config.step_weight**j * F.cross_entropy(
                 logits.flatten(0, 1), lab.flatten(), ignore_index=-100
             )

@@ -44,15 +44,32 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class TTTAttentionState:
-    """One layer's keys and values over a TTT forward: step 0's, then each later step's
-    own (one per row, the "diagonal")."""
+    """One layer's keys and values over a TTT forward: step 0's at every position, then
+    each later step's own (one per row, the "diagonal")."""
 
-    def __init__(self, base_mask: torch.Tensor) -> None:
-        self.base_mask = base_mask  # [B, T, T] causal & valid: the step-0 keys
-        self.keys0: torch.Tensor | None = None
+    def __init__(self, key_valid: torch.Tensor) -> None:
+        self.key_valid = key_valid  # [B, T] bool: real positions among the step-0 keys
+        self.keys0: torch.Tensor | None = None  # [B, heads, T, head_dim]
         self.values0: torch.Tensor | None = None
-        self.diag_keys: list[torch.Tensor] = []
+        self.diag_keys: list[torch.Tensor] = []  # per step >= 1: [B, heads, W, head_dim]
         self.diag_values: list[torch.Tensor] = []
+
+
+def row_window(first_row: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The rows a TTT forward computes: sequence b's positions from `first_row[b]` on, as
+    anchors [B, W] (W the longest such tail; positions past the end are clamped and are
+    not `valid` there). Rows before `first_row` (prompt rows with no label at any step)
+    still give the step-0 keys, at a fraction of a row's cost."""
+    length = valid.shape[1]
+    width = int((valid.sum(1) - first_row).clamp(min=1).max())
+    rows = first_row[:, None] + torch.arange(width, device=valid.device)  # [B, W]
+    return rows.clamp(max=length - 1)
+
+
+def gather_rows(x: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """x [B, T, ...] at rows `anchors` [B, W] -> [B, W, ...]."""
+    index = anchors.reshape(*anchors.shape, *([1] * (x.dim() - 2)))
+    return x.gather(1, index.expand(*anchors.shape, *x.shape[2:]))
 
 
 class TTTDecoderLayer(nn.Module):
@@ -89,39 +106,53 @@ class TTTDecoderLayer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, head_dim]
         return emb.cos(), emb.sin()
 
+    def _project(
+        self, proj: nn.Linear, x: torch.Tensor, heads: int, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        """[B, N, qkv_in] -> [B, heads, N, head_dim], rotated at `positions` [B, N] if any."""
+        out = proj(x).view(x.shape[0], x.shape[1], heads, self.head_dim).transpose(1, 2)
+        if positions is not None:
+            out = _rotate(out, *self._rope(positions))
+        return out.repeat_interleave(self.heads // heads, dim=1)
+
+    def context(self, x: torch.Tensor, state: TTTAttentionState) -> None:
+        """Step 0's keys and values at every position from its attention input x [B, T, qkv_in]."""
+        positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+        attn = self.self_attn
+        state.keys0 = self._project(attn.k_proj, x, self.kv_heads, positions)
+        state.values0 = self._project(attn.v_proj, x, self.kv_heads, None)
+        state.diag_keys, state.diag_values = [], []
+
     def forward(
         self,
-        x: torch.Tensor,  # [B, T, qkv_in] the (normed) attention input
-        residual: torch.Tensor,  # [B, T, H]
-        positions: torch.Tensor,  # [B, T] the rows' positions at this step
+        x: torch.Tensor,  # [B, W, qkv_in] the (normed) attention input of the rows
+        residual: torch.Tensor,  # [B, W, H]
+        anchors: torch.Tensor,  # [B, W] the rows' anchor positions p (at step j: p + j)
         step: int,
         state: TTTAttentionState,
     ) -> torch.Tensor:
-        """The block's output (residual stream after attention and MLP) [B, T, H]."""
-        batch, length, _ = x.shape
+        """The block's output (residual stream after attention and MLP) [B, W, H]. Step 0's
+        keys must be in `state` (`context`); a later step adds its rows' own keys."""
         attn = self.self_attn
-        q = attn.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = self._rope(positions)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        rep = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, h, T, d]
-        if step == 0:
-            state.keys0, state.values0 = k, v
-        else:
-            state.diag_keys.append(k)
-            state.diag_values.append(v)
+        positions = anchors + step
+        q = self._project(attn.q_proj, x, self.heads, positions)
+        if step > 0:
+            state.diag_keys.append(self._project(attn.k_proj, x, self.kv_heads, positions))
+            state.diag_values.append(self._project(attn.v_proj, x, self.kv_heads, None))
         assert state.keys0 is not None and state.values0 is not None
         scale = 1 / math.sqrt(self.head_dim)
-        scores = [(q @ state.keys0.transpose(-1, -2)) * scale]  # [B, heads, T, T]
-        scores[0] = scores[0].masked_fill(~state.base_mask[:, None], float("-inf"))
-        scores += [(q * dk).sum(-1, keepdim=True) * scale for dk in state.diag_keys]  # [B,h,T,1]
+        length = state.keys0.shape[2]
+        keys = torch.arange(length, device=x.device)
+        seen = (keys[None, None] <= anchors[..., None]) & state.key_valid[:, None]  # [B, W, T]
+        scores = [(q @ state.keys0.transpose(-1, -2)) * scale]  # [B, heads, W, T]
+        scores[0] = scores[0].masked_fill(~seen[:, None], float("-inf"))
+        scores += [(q * dk).sum(-1, keepdim=True) * scale for dk in state.diag_keys]  # [B,h,W,1]
         probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
         out = probs[..., :length] @ state.values0
         for i, dv in enumerate(state.diag_values):
             out = out + probs[..., length + i : length + i + 1] * dv
-        residual = residual + attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        batch, width = anchors.shape
+        residual = residual + attn.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
         h = self.post_attention_layernorm(residual)
         mlp = self.mlp
         return residual + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
@@ -171,25 +202,40 @@ class TTTHead(nn.Module):
         valid: torch.Tensor,  # [B, T] bool: real tokens
         steps: int,
         read: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        anchors: torch.Tensor | None = None,  # [B, W] the rows to compute (`row_window`)
     ) -> list[torch.Tensor]:
-        """The block's output of each TTT step (the next step's hidden): list of [B, T, H];
-        with `read`, `read(output)` instead, taken as soon as the step is done."""
+        """The block's output of each TTT step (the next step's hidden) at rows `anchors`
+        (default: every position, W = T): list of [B, W, H]; with `read`, `read(output)`
+        instead, taken as soon as the step is done."""
         batch, length = input_ids.shape
-        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
-        state = TTTAttentionState(causal[None] & valid[:, None, :])
-        hidden = self.first_hidden(features)
-        positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+        if anchors is None:
+            anchors = torch.arange(length, device=input_ids.device).expand(batch, length)
+        state = TTTAttentionState(valid)
+        block = self.block()
+        # step 0: every position's keys, then the rows' own pass
+        x, residual = self.fuse(
+            self.embed_ids(torch.roll(input_ids, -1, dims=1)), self.first_hidden(features)
+        )
+        block.context(x, state)
+        x, residual = gather_rows(x, anchors), gather_rows(residual, anchors)
+        hidden = residual  # [B, W, H]; replaced by each step's output
         result = []
         for step in range(steps):
-            shifted = torch.roll(input_ids, shifts=-(1 + step), dims=1)  # token at p + 1 + step
-            x, residual = self.fuse(self.embed_ids(shifted), hidden)
-            hidden = self.block()(x, residual, positions + step, step, state)
+            if step > 0:  # the token at p + 1 + step, on the row's own previous output
+                tokens = input_ids.gather(1, (anchors + 1 + step) % length)
+                x, residual = self.fuse(self.embed_ids(tokens), hidden)
+            hidden = block(x, residual, anchors, step, state)
             result.append(hidden if read is None else read(hidden))
         return result
 
     def forward(
-        self, input_ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor, steps: int
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        valid: torch.Tensor,
+        steps: int,
+        anchors: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
-        """Logits of each TTT step: list of [B, T, vocab]; row p of step j predicts
-        input_ids[p + 2 + j]."""
-        return self.outputs(input_ids, features, valid, steps, self.logits)
+        """Logits of each TTT step at rows `anchors` (default: all): list of [B, W, vocab];
+        row p of step j predicts input_ids[p + 2 + j]."""
+        return self.outputs(input_ids, features, valid, steps, self.logits, anchors)
