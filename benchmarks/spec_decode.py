@@ -66,7 +66,7 @@ def main() -> None:
     if args.head:
         specs["eagle3-trained"] = {"method": "eagle3", "model": args.head}
     methods = args.methods or list(specs)
-    questions = QUESTIONS
+    questions = [({"role": "user", "content": q},) for q in QUESTIONS]
     if args.prompts == "heldout":
         questions = build_prompts()[1][: args.num_prompts]
     engine = dict(
@@ -77,12 +77,9 @@ def main() -> None:
         tokenizer = llm.get_tokenizer()
         chats = [
             tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
+                list(chat), add_generation_prompt=True, tokenize=True, return_dict=False
             )
-            for q in questions
+            for chat in questions
         ]
         batches = {b: [chats[i % len(chats)] for i in range(b)] for b in args.batches}
         run(llm, batches[args.batches[0]], 4)  # warm-up

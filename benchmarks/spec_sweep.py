@@ -43,16 +43,13 @@ def run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, dic
 
 
 def heldout_chats(llm: LLM, n: int) -> list[list[int]]:
-    """Token ids of the first `n` held-out questions in the chat template."""
+    """Token ids of the first `n` held-out chats in the chat template."""
     tokenizer = llm.get_tokenizer()
     return [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
+            list(chat), add_generation_prompt=True, tokenize=True, return_dict=False
         )
-        for q in build_prompts()[1][:n]
+        for chat in build_prompts()[1][:n]
     ]
 
 

@@ -68,3 +68,14 @@ class ContiguousKVCache:
             return k_cache[slot, :length], v_cache[slot, :length]
 
         return attention_per_sequence(q, meta, scale, context)
+
+
+def store_in_parts(directory: str, samples: list, part_size: int) -> str:
+    """An answer store holding `samples` in parts of `part_size`; returns its folder."""
+    from cluster.train.answer_store import AnswerStore, chat_key
+
+    store = AnswerStore(directory)
+    for start in range(0, len(samples), part_size):
+        part = samples[start : start + part_size]
+        store.append(part, [chat_key(start + i) for i in range(len(part))])
+    return directory

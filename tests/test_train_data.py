@@ -3,6 +3,7 @@ compact answer store (round trip, resuming, refusing a store made from other pro
 
 import numpy as np
 import pytest
+import torch
 
 from cluster.train.answer_store import AnswerStore, Sample, chat_key
 from cluster.train.prompts import build_prompts, follow_up_chats, is_eval
@@ -109,3 +110,31 @@ def test_train_draft_stores_answers_with_follow_ups_and_resumes(tmp_path, smollm
     again = train_draft(target, str(tmp_path / "head"), str(tmp_path / "work"), **run)
     assert sorted(p.name for p in answers.rglob("part_*.npz")) == parts
     assert again["train_answer_tokens"] == recipe["train_answer_tokens"]
+
+
+def test_features_recorded_while_answering_equal_a_second_forward(tmp_path, smollm2_path):
+    """The recorder's rows (every position but the never-fed last one) are what a separate
+    forward of the finished sequences computes, for the EAGLE-3 and the final states."""
+    from tiny_models import make_tiny_chat_model
+
+    from cluster.models.eagle3 import eagle3_aux_layers
+    from cluster.train.dataset import cache_features, generate_answers
+    from cluster.train.feature_store import load_shards
+
+    target = str(tmp_path / "target")
+    make_tiny_chat_model(target, smollm2_path, num_hidden_layers=6, seed=4)
+    chats = build_prompts()[0][:7]
+    dirs = (str(tmp_path / "rec_aux"), str(tmp_path / "rec_final"))
+    store = str(tmp_path / "answers")
+    samples = generate_answers(target, chats, 9, store, dirs, max_num_seqs=4, chunk=3)
+    assert len(samples) == 7
+    for recorded_dir, aux in zip(dirs, (eagle3_aux_layers(6), ()), strict=True):
+        again = cache_features(target, store, aux, str(tmp_path / f"again_{len(aux)}"))
+        recorded, computed = load_shards(recorded_dir), load_shards(again)
+        assert [r["token_ids"] for r in recorded] == [s.token_ids for s in samples]
+        for r, c in zip(recorded, computed, strict=True):
+            assert r["features"].shape == c["features"].shape
+            assert not r["features"][-1].any()  # the last token is never fed back
+            torch.testing.assert_close(
+                r["features"][:-1].float(), c["features"][:-1].float(), atol=2e-3, rtol=2e-3
+            )

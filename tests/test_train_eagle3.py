@@ -4,7 +4,7 @@ head the engine loads and keeps lossless."""
 
 import pytest
 import torch
-from forward_helpers import draft_prefill, prefill
+from forward_helpers import draft_prefill, prefill, store_in_parts
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
@@ -36,7 +36,8 @@ def setup(tmp_path_factory, smollm2_path):
         for n in (12, 20, 9, 16)
     ]
     aux = eagle3_aux_layers(6)
-    cache_features(target, samples, aux, str(root / "features"), shard_size=2)
+    store = store_in_parts(str(root / "answers"), samples, part_size=2)
+    cache_features(target, store, aux, str(root / "features"))
     return target, hf, root, samples
 
 

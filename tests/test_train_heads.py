@@ -5,7 +5,7 @@ and keeps lossless."""
 
 import pytest
 import torch
-from forward_helpers import draft_prefill, prefill
+from forward_helpers import draft_prefill, prefill, store_in_parts
 from safetensors.torch import load_file
 from tiny_models import make_tiny_chat_model
 
@@ -56,7 +56,8 @@ def setup(tmp_path_factory, smollm2_path):
             for _ in range(12):
                 ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
         samples.append(Sample(ids, answer_start=n))
-    cache_features(target, samples, (), str(root / "final"), shard_size=2)
+    store = store_in_parts(str(root / "answers"), samples, part_size=2)
+    cache_features(target, store, (), str(root / "final"))
     return target, hf, root, samples
 
 

@@ -57,6 +57,10 @@ class AnswerStore:
         names = sorted(n for n in os.listdir(self.directory) if n.startswith("part_"))
         return [os.path.join(self.directory, n) for n in names if n.endswith(".npz")]
 
+    @property
+    def num_parts(self) -> int:
+        return len(self._parts())
+
     def keys(self) -> list[int]:
         keys: list[int] = []
         for path in self._parts():
@@ -64,17 +68,18 @@ class AnswerStore:
                 keys += part["keys"].tolist()
         return keys
 
+    def read_part(self, index: int) -> list[Sample]:
+        with np.load(self._parts()[index]) as part:
+            lengths, answer_starts = part["lengths"], part["answer_starts"]
+            tokens = part["token_ids"].astype(np.int64)
+        ends = np.cumsum(lengths)
+        return [
+            Sample(tokens[end - n : end].tolist(), int(start))
+            for n, end, start in zip(lengths, ends, answer_starts, strict=True)
+        ]
+
     def read(self) -> list[Sample]:
-        samples = []
-        for path in self._parts():
-            with np.load(path) as part:
-                ends = np.cumsum(part["lengths"])
-                tokens = part["token_ids"].astype(np.int64)
-                for start, end, answer_start in zip(
-                    ends - part["lengths"], ends, part["answer_starts"], strict=True
-                ):
-                    samples.append(Sample(tokens[start:end].tolist(), int(answer_start)))
-        return samples
+        return [s for index in range(self.num_parts) for s in self.read_part(index)]
 
     def append(self, samples: list[Sample], keys: list[int]) -> str:
         """Write one more part; returns its path."""

@@ -19,12 +19,20 @@ from tqdm import tqdm
 
 from cluster.config import ModelConfig
 from cluster.models.attention import AttentionMetadata, attention_context
+from cluster.models.eagle3 import eagle3_aux_layers
 from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
 from cluster.train.answer_store import AnswerStore, Sample, chat_key
+from cluster.train.feature_store import has_part, write_part
 from cluster.train.prompts import Chat, follow_up_chats
 
-__all__ = ["Sample", "answer_with_follow_ups", "cache_features", "generate_answers"]
+__all__ = [
+    "Sample",
+    "answer_with_follow_ups",
+    "cache_features",
+    "feature_dirs",
+    "generate_answers",
+]
 
 
 def generate_answers(
@@ -32,44 +40,79 @@ def generate_answers(
     chats: list[Chat],
     max_tokens: int,
     store_dir: str,
+    feature_dirs: tuple[str, str] | None = None,
     max_num_seqs: int = 256,
     chunk: int = 1024,
 ) -> list[Sample]:
     """Greedy answers of the target to `chats`, in order, stored a chunk at a time in the
     compact `AnswerStore` at `store_dir`: a rerun resumes after the last stored chunk.
-    Large batches pay on a CPU: a [256, 576] x [576, 1536] matmul runs about 3x the
-    FLOP/s of a [64, ...] one, so 256 sequences decode at once (a 4 GiB KV cache)."""
-    store = AnswerStore(
-        store_dir, {"target": os.path.basename(target_path), "max_tokens": max_tokens}
-    )
+
+    With `feature_dirs` (EAGLE-3 features, final hidden states) the engine runs eagerly
+    with a `FeatureRecorder` and writes both feature parts beside each answer part, so no
+    second forward is needed. Large batches pay on a CPU: a [256, 576] x [576, 1536]
+    matmul runs about 3x the FLOP/s of a [64, ...] one, so 256 sequences decode at once
+    (a 4 GiB KV cache)."""
+    meta = {"target": os.path.basename(os.path.normpath(target_path)), "max_tokens": max_tokens}
+    store = AnswerStore(store_dir, meta)
     keys = [chat_key(c) for c in chats]
     done = store.check_prefix(keys)
     if done < len(chats):
         from cluster.llm import LLM
         from cluster.sampling_params import SamplingParams
+        from cluster.train.recorder import FeatureRecorder
 
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         hf = ModelConfig(path=target_path, dtype="float32").hf_config
-        max_len = min(2048, int(hf.max_position_embeddings))
-        with LLM(
-            target_path,
+        engine: dict = dict(
             dtype="float32",
-            max_model_len=max_len,
+            max_model_len=min(2048, int(hf.max_position_embeddings)),
             max_num_seqs=max_num_seqs,
             cpu_kv_cache_gib=4.0,
-        ) as llm:
+        )
+        if feature_dirs is not None:
+            engine.update(compile="off", enable_prefix_caching=False)
+        aux = eagle3_aux_layers(int(hf.num_hidden_layers))
+        with LLM(target_path, **engine) as llm:
+            recorder = FeatureRecorder(llm, aux) if feature_dirs is not None else None
             for start in tqdm(
                 range(done, len(chats), chunk),
                 desc=f"Answering {len(chats) - done} prompts, {chunk} a part",
             ):
                 batch = chats[start : start + chunk]
-                outputs = llm.chat([list(c) for c in batch], params, use_tqdm=False)
+                # Submitted shortest first, so the sequences decoding together have
+                # similar lengths: the CPU attention pads every sequence of a decode
+                # batch to the longest one's context.
+                order = sorted(range(len(batch)), key=lambda i: _chars(batch[i]))
+                answered = llm.chat([list(batch[i]) for i in order], params, use_tqdm=False)
+                outputs = [
+                    o for _, o in sorted(zip(order, answered, strict=True), key=lambda t: t[0])
+                ]
                 samples = [
                     Sample(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids))
                     for o in outputs
                 ]
+                index = store.num_parts
                 store.append(samples, keys[start : start + chunk])
+                if recorder is not None:  # a crash before this leaves them to `cache_features`
+                    assert feature_dirs is not None
+                    rows = [
+                        recorder.take(o.request_id, len(s.token_ids))
+                        for o, s in zip(outputs, samples, strict=True)
+                    ]
+                    for kind, feature_dir in enumerate(feature_dirs):
+                        write_part(feature_dir, index, samples, [r[kind] for r in rows])
     return store.read()[: len(chats)]
+
+
+def _chars(chat: Chat) -> int:
+    return sum(len(m["content"]) for m in chat)
+
+
+def feature_dirs(work_dir: str, store: str) -> tuple[str, str]:
+    """Where the features of answer store `store` live: (EAGLE-3 aux states, final hidden)."""
+    return os.path.join(work_dir, f"features_{store}"), os.path.join(
+        work_dir, f"final_hidden_{store}"
+    )
 
 
 def answer_with_follow_ups(
@@ -80,13 +123,21 @@ def answer_with_follow_ups(
     split: str,
     follow_up_fraction: float,
     seed: int = 0,
-) -> list[Sample]:
-    """The answers to `chats` (store `answers_dir/split`), then, once all of them exist,
-    the answers to follow-up turns after a `follow_up_fraction` of them (store
-    `answers_dir/split_follow_ups`): first-turn samples, then the follow-ups'."""
-    samples = generate_answers(target_path, chats, max_tokens, os.path.join(answers_dir, split))
+    record_in: str | None = None,
+) -> list[str]:
+    """Answer `chats` (store `answers_dir/split`), then, once all of them are answered,
+    follow-up turns after a `follow_up_fraction` of them (store `split_follow_ups`); the
+    names of the stores filled. With `record_in` (a work dir), features are recorded
+    while answering, into its `feature_dirs`."""
+
+    def record(store: str) -> tuple[str, str] | None:
+        return feature_dirs(record_in, store) if record_in else None
+
+    samples = generate_answers(
+        target_path, chats, max_tokens, os.path.join(answers_dir, split), record(split)
+    )
     if follow_up_fraction <= 0:
-        return samples
+        return [split]
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_path)
@@ -95,50 +146,53 @@ def answer_with_follow_ups(
         for chat, s in zip(chats, samples, strict=True)
     ]
     follow_ups = follow_up_chats(answered, follow_up_fraction, seed)
-    store = os.path.join(answers_dir, f"{split}_follow_ups")
-    return samples + generate_answers(target_path, follow_ups, max_tokens, store)
+    name = f"{split}_follow_ups"
+    generate_answers(
+        target_path, follow_ups, max_tokens, os.path.join(answers_dir, name), record(name)
+    )
+    return [split, name]
 
 
 @torch.inference_mode()
 def cache_features(
     target_path: str,
-    samples: list[Sample],
+    store_dir: str,
     aux_layers: tuple[int, ...],
     out_dir: str,
-    shard_size: int = 64,
     max_batch_tokens: int = 2048,
-) -> list[str]:
-    """Write shards `{"token_ids", "answer_start", "features"}` (features: list of
-    [len, len(aux_layers) * hidden] float16, or [len, hidden] final hidden states when
-    `aux_layers` is empty); returns the shard paths."""
-    os.makedirs(out_dir, exist_ok=True)
-    model = load_model(
-        ModelConfig(path=target_path, dtype="float32"), ParallelState.single(), show_progress=False
-    )
-    paths = []
-    for shard_index, start in enumerate(
-        tqdm(range(0, len(samples), shard_size), desc="Caching features")
-    ):
-        path = os.path.join(out_dir, f"shard_{shard_index:05d}.pt")
-        paths.append(path)
-        if os.path.isfile(path):
+) -> str:
+    """Feature parts (`feature_store`) for every part of the answer store at `store_dir`
+    that has none yet: [len, len(aux_layers) * hidden] float16 per sample, or [len, hidden]
+    final hidden states when `aux_layers` is empty. Returns `out_dir`."""
+    store = AnswerStore(store_dir, _store_meta(store_dir))
+    model = None
+    for index in tqdm(range(store.num_parts), desc="Caching features"):
+        samples = store.read_part(index)
+        if has_part(out_dir, index, samples):
             continue
-        shard = samples[start : start + shard_size]
-        features = [
+        if model is None:
+            model = load_model(
+                ModelConfig(path=target_path, dtype="float32"),
+                ParallelState.single(),
+                show_progress=False,
+            )
+        rows = [
             f
-            for group in _groups(shard, max_batch_tokens)
+            for group in _groups(samples, max_batch_tokens)
             for f in _aux_states(model, group, aux_layers)
         ]
-        torch.save(
-            {
-                "token_ids": [s.token_ids for s in shard],
-                "answer_start": [s.answer_start for s in shard],
-                "features": features,
-            },
-            path + ".tmp",
-        )
-        os.replace(path + ".tmp", path)
-    return paths
+        write_part(out_dir, index, samples, rows)
+    return out_dir
+
+
+def _store_meta(store_dir: str) -> dict:
+    import json
+
+    path = os.path.join(store_dir, "meta.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 def _groups(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:

@@ -72,8 +72,8 @@ def train_chain_head(
     embed_weight: torch.Tensor,  # [vocab, hidden] the target's embedding
     head_weight: torch.Tensor,  # [vocab, hidden] the target's LM head
     final_norm_weight: torch.Tensor | None,  # [hidden] the target's final norm (MTP init)
-    train_dir: str,
-    eval_dir: str | None,
+    train_dir: str | list[str],  # feature folders (`feature_store`)
+    eval_dir: str | list[str] | None,
     out_dir: str,
     config: TrainConfig,
     checkpoint_dir: str | None = None,

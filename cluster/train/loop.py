@@ -10,7 +10,6 @@ the seed (the caller seeds torch before building the model).
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import random
@@ -22,7 +21,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from cluster.train.feature_store import load_shards
 from cluster.train.ttt import row_window
+
+__all__ = ["Batch", "StepFn", "TrainConfig", "collate", "evaluate", "fit", "load_shards"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class TrainConfig:
     batch_tokens: int = 4096
     seed: int = 0
     step_weight: float = 0.8
+    freeze_lm_head: bool = False  # EAGLE-3: keep the target's LM head rows as they are
     regression_weight: float = 1.0  # EAGLE-1: smooth-L1 feature regression
     token_weight: float = 0.1  # EAGLE-1: token cross-entropy
     device: str = "auto"  # "auto": CUDA when available, else the CPU
@@ -71,17 +74,6 @@ class Batch:
 
 # batch -> (loss, correct top-1 predictions per step, counted predictions per step)
 StepFn = Callable[[Batch], tuple[torch.Tensor, list[int], list[int]]]
-
-
-def load_shards(feature_dir: str) -> list[dict[str, Any]]:
-    sequences = []
-    for path in sorted(glob.glob(os.path.join(feature_dir, "shard_*.pt"))):
-        shard = torch.load(path)
-        for ids, start, feats in zip(
-            shard["token_ids"], shard["answer_start"], shard["features"], strict=True
-        ):
-            sequences.append({"token_ids": ids, "answer_start": start, "features": feats})
-    return sequences
 
 
 def make_batches(

@@ -15,8 +15,9 @@ import time
 import torch
 
 from cluster.models.eagle3 import eagle3_aux_layers
-from cluster.train.dataset import answer_with_follow_ups, cache_features
+from cluster.train.dataset import answer_with_follow_ups, cache_features, feature_dirs
 from cluster.train.eagle_mtp_trainer import train_chain_head
+from cluster.train.feature_store import load_shards
 from cluster.train.prompts import build_prompts
 from cluster.train.trainer import TrainConfig, train_eagle3
 
@@ -34,6 +35,8 @@ def train_draft(
     answers_dir: str | None = None,
     num_eval_prompts: int = 256,
     follow_up_fraction: float = 0.2,
+    record_features: bool = True,
+    data_only: bool = False,
 ) -> dict:
     from safetensors import safe_open
 
@@ -45,7 +48,6 @@ def train_draft(
         raise ValueError(f"unknown method {method!r} (one of {METHODS})")
     # EAGLE-3 reads three aux residual streams; EAGLE-1 and MTP the final hidden state
     aux = eagle3_aux_layers(int(hf.num_hidden_layers)) if method == "eagle3" else ()
-    features = "features" if method == "eagle3" else "final_hidden"
     train_chats, eval_chats = build_prompts(seed=config.seed)
     if num_prompts is not None:
         train_chats = train_chats[:num_prompts]
@@ -53,27 +55,46 @@ def train_draft(
     answers_dir = answers_dir or os.path.join(work_dir, "answers")
     os.makedirs(work_dir, exist_ok=True)
     started = time.time()
-    splits, counts = {}, {}
-    for name, chats in (("train", train_chats), ("eval", eval_chats)):
-        samples = answer_with_follow_ups(
-            target, chats, max_tokens, answers_dir, name, follow_up_fraction, config.seed
-        )
-        counts[name] = (len(samples), sum(len(s.token_ids) - s.answer_start for s in samples))
-        splits[name] = cache_features(
-            target, samples, aux, os.path.join(work_dir, f"{features}_{name}")
+    dirs, counts = {}, {}
+    for split, chats in (("train", train_chats), ("eval", eval_chats)):
+        stores = answer_with_follow_ups(
+            target, chats, max_tokens, answers_dir, split, follow_up_fraction, config.seed,
+            record_in=work_dir if record_features else None,
+        )  # fmt: skip
+        dirs[split] = []
+        for store in stores:
+            feature_dir = feature_dirs(work_dir, store)[0 if method == "eagle3" else 1]
+            cache_features(target, os.path.join(answers_dir, store), aux, feature_dir)
+            dirs[split].append(feature_dir)
+        samples = [s for d in dirs[split] for s in load_shards(d)]
+        counts[split] = (
+            len(samples),
+            sum(len(s["token_ids"]) - s["answer_start"] for s in samples),
         )
     data_seconds = time.time() - started
+    if data_only:
+        return {"data_seconds": round(data_seconds), "prompts_and_answer_tokens": counts}
     with safe_open(os.path.join(target, "model.safetensors"), framework="pt") as f:
         embed = f.get_tensor("model.embed_tokens.weight").float()
         head = f.get_tensor("lm_head.weight").float() if "lm_head.weight" in f.keys() else embed  # noqa: SIM118
         final_norm = f.get_tensor("model.norm.weight").float()
     started = time.time()
-    dirs = [os.path.join(work_dir, f"{features}_{name}") for name in ("train", "eval")]
     if method == "eagle3":
-        result = train_eagle3(hf, embed, head, *dirs, out_dir, config, checkpoint_dir=work_dir)
+        result = train_eagle3(
+            hf, embed, head, dirs["train"], dirs["eval"], out_dir, config, checkpoint_dir=work_dir
+        )
     else:
         result = train_chain_head(
-            method, hf, embed, head, final_norm, *dirs, out_dir, config, checkpoint_dir=work_dir
+            method,
+            hf,
+            embed,
+            head,
+            final_norm,
+            dirs["train"],
+            dirs["eval"],
+            out_dir,
+            config,
+            checkpoint_dir=work_dir,
         )
     recipe = {
         "method": method,
@@ -116,6 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--num-eval-prompts", type=int, default=256)
     parser.add_argument(
+        "--data-only",
+        action="store_true",
+        help="stop after answering and caching features (resumable: run it again later)",
+    )
+    parser.add_argument(
         "--follow-up-fraction",
         type=float,
         default=0.2,
@@ -136,6 +162,11 @@ def main(argv: list[str] | None = None) -> None:
         help="padded tokens per batch",
     )
     parser.add_argument("--ttt-steps", type=int, default=TrainConfig.ttt_steps)
+    parser.add_argument(
+        "--freeze-lm-head",
+        action="store_true",
+        help="EAGLE-3: keep the LM head rows copied from the target",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--device", default="auto", help="where the head trains: auto (CUDA if any), cpu, cuda"
@@ -157,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         batch_tokens=args.batch_tokens,
         seed=args.seed,
         device=args.device,
+        freeze_lm_head=args.freeze_lm_head,
     )
     print(
         json.dumps(
@@ -171,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.answers_dir,
                 args.num_eval_prompts,
                 args.follow_up_fraction,
+                data_only=args.data_only,
             ),
             indent=2,
         )

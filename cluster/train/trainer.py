@@ -56,11 +56,13 @@ def draft_vocabulary(
     return targets - torch.arange(len(targets)), t2d
 
 
-def eagle3_step(model: Eagle3Trainable, config: TrainConfig) -> StepFn:
-    """The EAGLE-3 `StepFn`: weighted cross-entropy of every TTT step (draft vocabulary)."""
+def eagle3_step(model: Eagle3Trainable, config: TrainConfig, window: bool = True) -> StepFn:
+    """The EAGLE-3 `StepFn`: weighted cross-entropy of every TTT step (draft vocabulary).
+    `window`: compute only rows with labels (prompt rows give keys only); False computes
+    every row, the reference the training benchmark times it against."""
 
     def step(batch: Batch) -> tuple[torch.Tensor, list[int], list[int]]:
-        anchors, labels = batch.window()  # prompt rows give keys only
+        anchors, labels = batch.window() if window else (None, batch.labels)
         outputs = model(batch.ids, batch.features, batch.valid, config.ttt_steps, anchors)
         total, hits, totals = 0.0, [], []
         for j, (logits, lab) in enumerate(zip(outputs, labels, strict=True)):
@@ -79,8 +81,8 @@ def train_eagle3(
     target_config: Any,
     embed_weight: torch.Tensor,  # [vocab, hidden] the target's embedding (= LM head when tied)
     head_weight: torch.Tensor,  # [vocab, hidden] the target's LM head
-    train_dir: str,
-    eval_dir: str | None,
+    train_dir: str | list[str],  # feature folders (`feature_store`)
+    eval_dir: str | list[str] | None,
     out_dir: str,
     config: TrainConfig,
     checkpoint_dir: str | None = None,
@@ -97,6 +99,7 @@ def train_eagle3(
     model = Eagle3Trainable(target_config, len(d2t), embed_weight)
     with torch.no_grad():
         model.lm_head.weight.copy_(head_weight[draft_ids])  # start from the target's head rows
+    model.lm_head.weight.requires_grad_(not config.freeze_lm_head)
     os.makedirs(out_dir, exist_ok=True)
     checkpoint = os.path.join(checkpoint_dir or out_dir, "train_state.pt")
     history = fit(
