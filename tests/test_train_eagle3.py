@@ -124,7 +124,9 @@ def test_a_window_of_rows_computes_exactly_those_rows_of_the_full_forward(setup)
 def test_short_training_lowers_the_loss_and_stays_lossless(setup):
     target, hf, root, _ = setup
     out = str(root / "trained")
-    config = TrainConfig(draft_vocab_size=128, ttt_steps=2, epochs=20, lr=3e-3, batch_tokens=64)
+    config = TrainConfig(
+        draft_vocab_size=128, ttt_steps=2, epochs=20, lr=3e-3, batch_tokens=64, eval_every_tokens=20
+    )
     embed = hf.model.embed_tokens.weight.detach()
     result = train_eagle3(
         hf.config,
@@ -138,6 +140,11 @@ def test_short_training_lowers_the_loss_and_stays_lossless(setup):
     first, last = result["history"][0], result["history"][-1]
     assert last["train_loss"] < first["train_loss"] - 1.0  # it learns (here: memorises) the data
     assert last["held_out_accuracy"][0] > first["held_out_accuracy"][0]
+    # the curve of held-out accuracy against trained answer tokens, within each epoch
+    curve = [p for epoch in result["history"] for p in epoch["curve"]]
+    seen = [p["answer_tokens_seen"] for p in curve]
+    assert len(curve) >= 20 and seen == sorted(seen) and seen[-1] <= last["answer_tokens_seen"]
+    assert last["answer_tokens_seen"] == 20 * first["answer_tokens_seen"]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     engine = dict(dtype="float32", max_model_len=64, num_kv_blocks=32)
     with LLM(target, **engine) as llm:

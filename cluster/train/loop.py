@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,8 @@ class TrainConfig:
     seed: int = 0
     step_weight: float = 0.8
     freeze_lm_head: bool = False  # EAGLE-3: keep the target's LM head rows as they are
+    eval_every_tokens: int = 0  # > 0: also measure held-out accuracy every this many
+    # trained answer tokens (the curve of accuracy against data in the history)
     regression_weight: float = 1.0  # EAGLE-1: smooth-L1 feature regression
     token_weight: float = 0.1  # EAGLE-1: token cross-entropy
     device: str = "auto"  # "auto": CUDA when available, else the CPU
@@ -185,12 +188,15 @@ def fit(
         start_epoch = state["epoch"] + 1
         rng.setstate(state["rng"])
     history = []
+    seen = 0  # answer tokens trained on in this run (step 0's labels)
     for epoch in range(start_epoch, config.epochs):
         bar = tqdm(
             make_batches(train, config.batch_tokens, rng), desc=f"epoch {epoch + 1}/{config.epochs}"
         )
-        losses = []
+        losses, curve, train_seconds, epoch_tokens = [], [], 0.0, 0
+        next_eval = seen + config.eval_every_tokens
         for index in bar:
+            started = time.perf_counter()
             batch = collate(train, index, label_map, config.ttt_steps)
             loss, hits, totals = step_fn(batch.to(config.torch_device))
             optimizer.zero_grad()
@@ -199,14 +205,23 @@ def fit(
             optimizer.step()
             schedule.step()
             losses.append(loss.item())
+            train_seconds += time.perf_counter() - started
+            seen, epoch_tokens = seen + totals[0], epoch_tokens + totals[0]
             accuracy = "/".join(f"{h / max(1, t):.2f}" for h, t in zip(hits, totals, strict=True))
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=accuracy)
+            if config.eval_every_tokens and evals and seen >= next_eval:
+                next_eval = seen + config.eval_every_tokens
+                held_out = evaluate(model, step_fn, evals, label_map, config)
+                curve.append({"answer_tokens_seen": seen, "held_out_accuracy": held_out})
         held_out = evaluate(model, step_fn, evals, label_map, config) if evals else []
         history.append(
             {
                 "epoch": epoch + 1,
                 "train_loss": sum(losses) / len(losses),
                 "held_out_accuracy": held_out,
+                "answer_tokens_seen": seen,
+                "answer_tokens_per_s": round(epoch_tokens / max(train_seconds, 1e-9)),
+                **({"curve": curve} if curve else {}),
             }
         )
         print(f"epoch {epoch + 1}: held-out accuracy per step {[round(a, 3) for a in held_out]}")

@@ -163,6 +163,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--ttt-steps", type=int, default=TrainConfig.ttt_steps)
     parser.add_argument(
+        "--eval-every-tokens",
+        type=int,
+        default=0,
+        help="also measure held-out accuracy every N trained answer tokens (a data curve)",
+    )
+    parser.add_argument(
         "--freeze-lm-head",
         action="store_true",
         help="EAGLE-3: keep the LM head rows copied from the target",
@@ -189,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         device=args.device,
         freeze_lm_head=args.freeze_lm_head,
+        eval_every_tokens=args.eval_every_tokens,
     )
     print(
         json.dumps(
