@@ -293,3 +293,28 @@ def test_tree_masks_can_start_before_the_new_tokens(block_size):
     got = run_triton(batch, bits, starts)
     torch.testing.assert_close(ref, want, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_decode_split_into_length_groups_equals_one_padded_group(block_size, monkeypatch):
+    """A large decode batch is split into groups of similar context length (so short
+    sequences are not padded to the longest); the result must not change, trees included."""
+    import cluster.kernels.paged_attention as pa
+
+    gen = torch.Generator().manual_seed(7 + block_size)
+    lengths = [(3, 1), (90, 1), (40, 3), (11, 1), (200, 2), (6, 4)]  # (cached, new)
+    batch = make_batch(gen, [*lengths, *SEQUENCES], 4, 2, 16, block_size)
+    q_lens = [b - a for a, b in pairwise(batch["query_start_loc"])]
+    bits = torch.full((len(batch["q"]),), -1, dtype=torch.int64)
+    first = batch["query_start_loc"][q_lens.index(4)]  # a 4-token tree: root, two children
+    bits[first : first + 4] = torch.tensor([0b0001, 0b0011, 0b0101, 0b0111])
+    one_group = [paged_attention_ref(**batch), paged_attention_ref(**batch, tree_bits=bits)]
+    monkeypatch.setattr(pa, "SINGLE_GROUP_KEYS", 0)
+    plan = pa.plan_paged_attention(
+        batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], block_size
+    )
+    assert len(plan.groups) >= 4
+    grouped = [paged_attention_ref(**batch), paged_attention_ref(**batch, tree_bits=bits)]
+    for got, want in zip(grouped, one_group, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

@@ -22,6 +22,7 @@ same two functions, and `write_kv` / `paged_attention` pick one.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -59,19 +60,47 @@ def tree_visible(
     return (key_index[..., None, :] < 0) | (bit == 1)
 
 
+# A decode batch whose padded contexts hold more keys than this is split into groups of
+# similar context length (each at most twice its shortest), so short sequences are not
+# padded to the longest one: decode attention on a CPU is bound by the keys it gathers.
+SINGLE_GROUP_KEYS = 32768
+
+
+@dataclass
+class BatchedGroup:
+    """Sequences with few new tokens that share one padded SDPA call: their queries padded
+    to `max_q` rows and their contexts to `max_len` keys."""
+
+    query_rows: torch.Tensor  # [n, max_q] token row of each query (padding: row 0)
+    out_rows: torch.Tensor  # [n * max_q] where each result goes (padding: num_tokens)
+    key_slots: torch.Tensor  # [n * max_len] cache slot of each key (padding: a real one)
+    mask: torch.Tensor  # [n, 1, max_q, max_len] keys each query may see
+
+
 @dataclass
 class AttentionPlan:
     """What `paged_attention_ref` derives from the step's metadata alone, computed once per
-    step and shared by every layer (the layers differ only in their caches). The batched
-    sequences' queries are padded to `max_q` rows and their contexts to `max_len` keys."""
+    step and shared by every layer (the layers differ only in their caches)."""
 
     long: list[int]  # sequences run one by one
-    query_rows: torch.Tensor | None  # [n, max_q] token row of each query (padding: row 0)
-    out_rows: torch.Tensor | None  # [n * max_q] where each result goes (padding: num_tokens)
-    key_slots: torch.Tensor | None  # [n * max_len] cache slot of each key (padding: a real one)
-    mask: torch.Tensor | None  # [n, 1, max_q, max_len] keys each query may see
-    # Every sequence has one new token, in batch order: rows need no gathering or scattering.
+    groups: list[BatchedGroup]
+    # One group, every sequence has one new token, in batch order: rows need no gathering
+    # or scattering.
     one_token_each: bool = False
+
+
+def _length_groups(batched: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """`batched` split into groups of similar context length (longest first), or one
+    group when padding them all to the longest is cheap anyway."""
+    by_length = sorted(batched, key=lambda i: -seq_lens[i])
+    if len(batched) * seq_lens[by_length[0]] <= SINGLE_GROUP_KEYS:
+        return [batched]
+    groups: list[list[int]] = [[]]
+    for i in by_length:
+        if groups[-1] and 2 * seq_lens[i] < seq_lens[groups[-1][0]]:
+            groups.append([])
+        groups[-1].append(i)
+    return groups
 
 
 def plan_paged_attention(
@@ -82,15 +111,40 @@ def plan_paged_attention(
     tree_bits: torch.Tensor | None = None,  # [num_tokens] int64, see the module docstring
     tree_starts: list[int] | None = None,  # [num_seqs], default: each first new token
 ) -> AttentionPlan:
-    device = block_tables.device
     num_seqs = len(seq_lens)
     query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(num_seqs)]
     limit = MAX_BATCHED_QUERY_LEN if tree_bits is None else MAX_TREE_TOKENS
     batched = [i for i in range(num_seqs) if 0 < query_lens[i] <= limit]
     long = [i for i in range(num_seqs) if query_lens[i] > limit]
     if not batched:
-        return AttentionPlan(long, None, None, None, None)
+        return AttentionPlan(long, [])
+    groups = []
+    for group in _length_groups(batched, seq_lens):
+        groups.append(
+            _plan_group(
+                group, block_tables, seq_lens, query_start_loc, block_size, tree_bits, tree_starts
+            )
+        )
+    one_token_each = (
+        len(groups) == 1
+        and groups[0].query_rows.shape[1] == 1
+        and len(batched) == num_seqs == query_start_loc[-1]
+    )
+    return AttentionPlan(long, groups, one_token_each)
+
+
+def _plan_group(
+    batched: list[int],
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    query_start_loc: list[int],
+    block_size: int,
+    tree_bits: torch.Tensor | None,
+    tree_starts: list[int] | None,
+) -> BatchedGroup:
+    device = block_tables.device
     num_tokens = query_start_loc[-1]
+    query_lens = [b - a for a, b in itertools.pairwise(query_start_loc)]
     max_q = max(query_lens[i] for i in batched)
     max_blocks = -(-max(seq_lens[i] for i in batched) // block_size)
 
@@ -115,10 +169,7 @@ def plan_paged_attention(
         bits = torch.where(is_query, tree_bits[query_rows], -1)  # [n, max_q]
         first = lens - q_lens if tree_starts is None else ints([tree_starts[i] for i in batched])
         mask &= tree_visible(bits, pos[None, :] - first[:, None])
-    one_token_each = max_q == 1 and len(batched) == num_seqs == num_tokens
-    return AttentionPlan(
-        long, query_rows, out_rows, key_slots.flatten(), mask[:, None], one_token_each
-    )
+    return BatchedGroup(query_rows, out_rows, key_slots.flatten(), mask[:, None])
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -152,31 +203,40 @@ def paged_attention_ref(
             block_tables, seq_lens, query_start_loc, k_cache.shape[1], tree_bits, tree_starts
         )
     num_tokens = q.shape[0]
-    if plan.query_rows is not None:
-        n = plan.query_rows.shape[0]
-        kv_shape = (n, -1, *k_cache.shape[2:])  # [n, max_len, kv_heads, head_dim]
-        keys = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, plan.key_slots)
-        values = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, plan.key_slots)
-        queries = q[:, None] if plan.one_token_each else q[plan.query_rows]  # [n, max_q, H, D]
-        o = F.scaled_dot_product_attention(
-            queries.transpose(1, 2),  # [n, heads, max_q, head_dim]
-            keys.view(kv_shape).transpose(1, 2),
-            values.view(kv_shape).transpose(1, 2),
-            attn_mask=plan.mask,
-            scale=scale,
-            enable_gqa=True,
-        ).transpose(1, 2)  # [n, max_q, heads, head_dim]
-        if plan.one_token_each:
-            return o.reshape(q.shape)
+    if plan.one_token_each:  # decode in batch order: no gathering or scattering
+        return _attend_group(q[:, None], k_cache, v_cache, plan.groups[0], scale).reshape(q.shape)
     out = q.new_empty(num_tokens + 1, *q.shape[1:])  # the last row takes the padding
-    if plan.query_rows is not None:
-        out.index_copy_(0, plan.out_rows, o.flatten(0, 1))
+    for group in plan.groups:
+        o = _attend_group(q[group.query_rows], k_cache, v_cache, group, scale)
+        out.index_copy_(0, group.out_rows, o.flatten(0, 1))
     for i in plan.long:
         start, end = query_start_loc[i], query_start_loc[i + 1]
         seq_k = _gather_context(k_cache, block_tables[i], seq_lens[i])
         seq_v = _gather_context(v_cache, block_tables[i], seq_lens[i])
         out[start:end] = causal_attention(q[start:end], seq_k, seq_v, scale)
     return out[:num_tokens]
+
+
+def _attend_group(
+    queries: torch.Tensor,  # [n, max_q, heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: BatchedGroup,
+    scale: float,
+) -> torch.Tensor:
+    """[n, max_q, heads, head_dim]: one padded SDPA call over the group's contexts."""
+    n = group.query_rows.shape[0]
+    kv_shape = (n, -1, *k_cache.shape[2:])  # [n, max_len, kv_heads, head_dim]
+    keys = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, group.key_slots)
+    values = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, group.key_slots)
+    return F.scaled_dot_product_attention(
+        queries.transpose(1, 2),  # [n, heads, max_q, head_dim]
+        keys.view(kv_shape).transpose(1, 2),
+        values.view(kv_shape).transpose(1, 2),
+        attn_mask=group.mask,
+        scale=scale,
+        enable_gqa=True,
+    ).transpose(1, 2)
 
 
 def causal_attention(
