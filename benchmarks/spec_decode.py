@@ -3,18 +3,19 @@ and 16, with acceptance statistics.
 
 Draft heads are random (untrained), which measures the plumbing's overhead: with an
 always-rejected draft, how much slower is a step than speculation off? n-gram drafts do
-get accepted on repetitive text. `--head DIR` adds a trained EAGLE-3 head
-("eagle3-trained"), measured on held-out chat prompts (`--prompts heldout`). The last
+get accepted on repetitive text. `--head DIR [DIR ...]` adds trained EAGLE-3 heads
+("eagle3:DIRNAME"), measured on held-out chat prompts (`--prompts heldout`). The last
 column checks the measured mean acceptance length against (1 - a^(k+1)) / (1 - a) from
 the measured per-token acceptance a.
 
     python benchmarks/spec_decode.py [--model PATH] [--k 3] [--new-tokens 32] [--batches 1 16]
-    python benchmarks/spec_decode.py --head cluster/heads/smollm2-eagle3 --methods eagle3-trained ngram --prompts heldout
+    python benchmarks/spec_decode.py --head cluster/heads/smollm2-eagle3 --methods eagle3:smollm2-eagle3 ngram --prompts heldout
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 import warnings
@@ -54,7 +55,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--methods", nargs="+", default=None)
-    parser.add_argument("--head", default=None, help="a trained EAGLE-3 head folder")
+    parser.add_argument(
+        "--head", nargs="+", default=[], help="trained EAGLE-3 head folders (eagle3:NAME rows)"
+    )
     parser.add_argument("--prompts", choices=["builtin", "heldout"], default="builtin")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
@@ -63,8 +66,9 @@ def main() -> None:
     path = args.model or ensure_default_model()
     print(f"compile={args.compile}")
     specs = write_all(tempfile.mkdtemp(prefix="random-heads-"), path, seed=0)
-    if args.head:
-        specs["eagle3-trained"] = {"method": "eagle3", "model": args.head}
+    for head in args.head:
+        name = os.path.basename(os.path.normpath(head))
+        specs[f"eagle3:{name}"] = {"method": "eagle3", "model": head}
     methods = args.methods or list(specs)
     questions = [({"role": "user", "content": q},) for q in QUESTIONS]
     if args.prompts == "heldout":
@@ -105,7 +109,7 @@ def main() -> None:
                     )
                 )
 
-    heads = "trained EAGLE-3 head + random heads" if args.head else "random draft heads"
+    heads = "trained EAGLE-3 heads + random heads" if args.head else "random draft heads"
     print(
         f"model={path} k={args.k} new_tokens={args.new_tokens} prompts={args.prompts} ({heads})\n"
     )
