@@ -57,6 +57,18 @@ def run(model, step, optimizer, batches) -> tuple[float, int]:
     return time.perf_counter() - started, tokens
 
 
+def gemm_rate(rows: int = 4096) -> float:
+    """fp32 GFLOP/s of a [rows, 576] x [576, 1536] matmul, the head's MLP shape: the
+    roofline a CPU training step cannot beat."""
+    a, w = torch.randn(rows, 576), torch.randn(1536, 576)
+    for _ in range(3):
+        torch.nn.functional.linear(a, w)
+    started, n = time.perf_counter(), 20
+    for _ in range(n):
+        torch.nn.functional.linear(a, w)
+    return 2 * rows * 576 * 1536 * n / (time.perf_counter() - started) / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--features", required=True, nargs="+", help="EAGLE-3 feature folders")
@@ -98,6 +110,7 @@ def main() -> None:
             seconds, tokens = run(*built[v], batches)
             rates[v].append(tokens / seconds)
             print(f"round {r + 1} {v}: {tokens / seconds:.0f} answer tok/s", flush=True)
+    print(f"\nfp32 GEMM roofline (the MLP's shape, 4096 rows): {gemm_rate():.0f} GFLOP/s")
     base = statistics.median(rates[variants[0]])
     print("\n| variant | answer tokens/s (median) | vs all rows |\n|---|---:|---:|")
     for v in variants:

@@ -19,6 +19,7 @@ from cluster.train.loop import collate
 from cluster.train.trainer import (
     TrainConfig,
     draft_vocabulary,
+    eagle3_step,
     export_eagle3,
     load_shards,
     train_eagle3,
@@ -119,6 +120,25 @@ def test_a_window_of_rows_computes_exactly_those_rows_of_the_full_forward(setup)
             torch.testing.assert_close(
                 window[step][b, : len(rows)], full[step][b, rows], atol=1e-5, rtol=1e-5
             )
+
+
+@pytest.mark.slow
+def test_the_compiled_training_step_equals_the_eager_one(setup):
+    _, hf, root, _ = setup
+    shards = load_shards(str(root / "features"))
+    torch.manual_seed(5)
+    model = Eagle3Trainable(hf.config, 300, hf.model.embed_tokens.weight.detach())
+    config = TrainConfig(ttt_steps=3)
+    batch = collate(shards, [0, 1, 2, 3], None, 3)
+    eager, eager_hits, _ = eagle3_step(model, config)(batch)
+    eager.backward()
+    eager_grad = model.fc.weight.grad.clone()
+    model.zero_grad()
+    compiled, hits, _ = eagle3_step(torch.compile(model, dynamic=True), config)(batch)
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model.fc.weight.grad, eager_grad, atol=1e-4, rtol=1e-3)
+    assert hits == eager_hits
 
 
 def test_short_training_lowers_the_loss_and_stays_lossless(setup):

@@ -38,6 +38,7 @@ class TrainConfig:
     seed: int = 0
     step_weight: float = 0.8
     freeze_lm_head: bool = False  # EAGLE-3: keep the target's LM head rows as they are
+    compile: bool = False  # EAGLE-3: the step's forward under torch.compile (dynamic shapes)
     eval_every_tokens: int = 0  # > 0: also measure held-out accuracy every this many
     # trained answer tokens (the curve of accuracy against data in the history)
     regression_weight: float = 1.0  # EAGLE-1: smooth-L1 feature regression

@@ -169,6 +169,11 @@ def main(argv: list[str] | None = None) -> None:
         help="also measure held-out accuracy every N trained answer tokens (a data curve)",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="EAGLE-3: compile the training step's forward (about 1.25x on this CPU)",
+    )
+    parser.add_argument(
         "--freeze-lm-head",
         action="store_true",
         help="EAGLE-3: keep the LM head rows copied from the target",
@@ -195,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         device=args.device,
         freeze_lm_head=args.freeze_lm_head,
+        compile=args.compile,
         eval_every_tokens=args.eval_every_tokens,
     )
     print(

@@ -56,7 +56,7 @@ def draft_vocabulary(
     return targets - torch.arange(len(targets)), t2d
 
 
-def eagle3_step(model: Eagle3Trainable, config: TrainConfig, window: bool = True) -> StepFn:
+def eagle3_step(model: torch.nn.Module, config: TrainConfig, window: bool = True) -> StepFn:
     """The EAGLE-3 `StepFn`: weighted cross-entropy of every TTT step (draft vocabulary).
     `window`: compute only rows with labels (prompt rows give keys only); False computes
     every row, the reference the training benchmark times it against."""
@@ -102,8 +102,9 @@ def train_eagle3(
     model.lm_head.weight.requires_grad_(not config.freeze_lm_head)
     os.makedirs(out_dir, exist_ok=True)
     checkpoint = os.path.join(checkpoint_dir or out_dir, "train_state.pt")
+    runner = torch.compile(model, dynamic=True) if config.compile else model
     history = fit(
-        model, eagle3_step(model, config), train, evals, target_to_draft, config, checkpoint
+        model, eagle3_step(runner, config), train, evals, target_to_draft, config, checkpoint
     )
     export_eagle3(model, target_config, d2t, t2d, out_dir)
     return {"history": history, "draft_vocab_size": len(d2t)}
