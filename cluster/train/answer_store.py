@@ -36,20 +36,22 @@ def chat_key(chat: object) -> int:
 
 class AnswerStore:
     """`meta` (e.g. the target and the answer length) is written beside the parts on the
-    first append; a store made with other settings is refused."""
+    first append; a store made with other settings is refused. Without `meta` the store
+    is opened for reading with whatever settings it was made with."""
 
     def __init__(self, directory: str, meta: dict | None = None) -> None:
         self.directory = directory
-        self.meta = meta or {}
         meta_path = os.path.join(directory, "meta.json")
+        stored = None
         if os.path.isfile(meta_path):
             with open(meta_path) as f:
                 stored = json.load(f)
-            if stored != self.meta:
-                raise ValueError(
-                    f"answer store {directory} was made with {stored}, not {self.meta}; "
-                    "use another directory"
-                )
+        self.meta = meta if meta is not None else (stored or {})
+        if stored is not None and stored != self.meta:
+            raise ValueError(
+                f"answer store {directory} was made with {stored}, not {self.meta}; "
+                "use another directory"
+            )
 
     def _parts(self) -> list[str]:
         if not os.path.isdir(self.directory):

@@ -164,7 +164,7 @@ def cache_features(
     """Feature parts (`feature_store`) for every part of the answer store at `store_dir`
     that has none yet: [len, len(aux_layers) * hidden] float16 per sample, or [len, hidden]
     final hidden states when `aux_layers` is empty. Returns `out_dir`."""
-    store = AnswerStore(store_dir, _store_meta(store_dir))
+    store = AnswerStore(store_dir)
     model = None
     for index in tqdm(range(store.num_parts), desc="Caching features"):
         samples = store.read_part(index)
@@ -183,16 +183,6 @@ def cache_features(
         ]
         write_part(out_dir, index, samples, rows)
     return out_dir
-
-
-def _store_meta(store_dir: str) -> dict:
-    import json
-
-    path = os.path.join(store_dir, "meta.json")
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
 
 
 def _groups(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
