@@ -167,6 +167,11 @@ def greedy_base(setup):
         return llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
+def _without_timing(history: list[dict]) -> list[dict]:
+    """A run's history less its wall-clock throughput, which no seed fixes."""
+    return [{k: v for k, v in epoch.items() if not k.endswith("_per_s")} for epoch in history]
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_short_training_lowers_the_loss_is_seeded_and_stays_lossless(setup, greedy_base, method):
     target, hf, root, _ = setup
@@ -186,7 +191,7 @@ def test_short_training_lowers_the_loss_is_seeded_and_stays_lossless(setup, gree
     # the same seed gives the same run and the same head, bit for bit
     again_dir = str(root / f"again_{method}")
     again = _train(method, hf, root, again_dir, str(root / "final"))
-    assert again["history"] == result["history"]
+    assert _without_timing(again["history"]) == _without_timing(result["history"])
     name = "model.safetensors" if method == "eagle" else "mtp.safetensors"
     a, b = load_file(f"{out}/{name}"), load_file(f"{again_dir}/{name}")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
