@@ -48,12 +48,12 @@ def run(model, step, optimizer, batches) -> tuple[float, int]:
     """Seconds and answer tokens (step 0's labels) of one pass over `batches`."""
     tokens, started = 0, time.perf_counter()
     for batch in batches:
-        loss, _hits, totals = step(batch)
+        loss, counts = step(batch)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        tokens += totals[0]
+        tokens += counts.totals[0]
     return time.perf_counter() - started, tokens
 
 

@@ -105,13 +105,17 @@ def test_eagle_loss_targets_are_the_next_hidden_state_and_token(setup):
 
     sequences = load_shards(str(root / "final"))
     batch = collate(sequences, list(range(len(sequences))), None, 3)
-    loss, hits, totals = chain_step(Oracle(), TrainConfig(ttt_steps=3), 1.0, 0.0)(batch)
+    loss, counts = chain_step(Oracle(), TrainConfig(ttt_steps=3), 1.0, 0.0)(batch)
     assert float(loss) == 0.0
-    assert totals == [4 * 11] * 3  # every answer token after the first, at every step
-    assert hits == totals
+    assert counts.totals == [4 * 11] * 3  # every answer token after the first, at every step
+    assert counts.hits == counts.totals
+    # a chain from the row of a sequence's last step-0 label has no token left to draft at
+    # step 1, and so on: each step's chains lose one row per sequence
+    assert counts.chain_hits == [44, 40, 36]
+    assert counts.acceptance_length == 1 + (44 + 40 + 36) / 44
     # the token loss alone (MTP) computes only the labelled rows: the same labels line up
-    _, hits, totals = chain_step(Oracle(), TrainConfig(ttt_steps=3), 0.0, 1.0)(batch)
-    assert totals == [4 * 11] * 3 and hits == totals
+    _, counts = chain_step(Oracle(), TrainConfig(ttt_steps=3), 0.0, 1.0)(batch)
+    assert counts.totals == [4 * 11] * 3 and counts.hits == counts.totals
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.train.eagle_model import EagleTrainable
-from cluster.train.loop import Batch, StepFn, TrainConfig, fit, load_shards
+from cluster.train.loop import NO_LABEL, Batch, StepCounts, StepFn, TrainConfig, fit, load_shards
 from cluster.train.mtp_model import DeepSeekMTPTrainable
 from cluster.train.trainer import save_state, write_head_config
 from cluster.train.ttt import TTTHead
@@ -37,7 +37,7 @@ def chain_step(
     """The `StepFn` of a head predicting (and, with `regression_weight`, regressing onto)
     the target's next hidden state."""
 
-    def step(batch: Batch) -> tuple[torch.Tensor, list[int], list[int]]:
+    def step(batch: Batch) -> tuple[torch.Tensor, StepCounts]:
         # the regression needs every position; the token loss only the labelled rows
         anchors, step_labels = (None, batch.labels) if regression_weight else batch.window()
         outputs = model.outputs(
@@ -46,7 +46,7 @@ def chain_step(
         lengths = batch.valid.sum(1)
         rows = torch.arange(batch.ids.shape[1], device=batch.ids.device)
         total = outputs[0].sum() * 0.0  # keeps the graph when a batch has no labels
-        hits, totals = [], []
+        predictions = []
         for j, (out, labels) in enumerate(zip(outputs, step_labels, strict=True)):
             loss = out.new_zeros(())
             if regression_weight:
@@ -54,14 +54,15 @@ def chain_step(
                 nxt = torch.roll(batch.features, shifts=-(1 + j), dims=1)
                 if has_next.any():
                     loss = loss + regression_weight * F.smooth_l1_loss(out[has_next], nxt[has_next])
-            mask = labels != -100
+            mask = labels != NO_LABEL
             logits = model.logits(out[mask])  # [n, vocab] at labelled rows only
             if mask.any():
                 loss = loss + token_weight * F.cross_entropy(logits, labels[mask])
-            hits.append(int((logits.argmax(-1) == labels[mask]).sum()))
-            totals.append(int(mask.sum()))
+            predicted = torch.full_like(labels, NO_LABEL)  # [B, W]
+            predicted[mask] = logits.argmax(-1)
+            predictions.append(predicted)
             total = total + config.step_weight**j * loss
-        return total, hits, totals
+        return total, StepCounts.of(predictions, step_labels)
 
     return step
 

@@ -4,8 +4,13 @@
 length-sorted, shuffled batches, shows the loss and each TTT step's accuracy in a progress
 bar, measures held-out accuracy after every epoch, and checkpoints after every epoch
 (resuming from the last one). The head-specific part is a `StepFn`: a batch -> (loss,
-correct top-1 predictions per step, counted predictions per step). Deterministic given
-the seed (the caller seeds torch before building the model).
+`StepCounts`). Deterministic given the seed (the caller seeds torch before building the
+model).
+
+Held-out figures are what greedy drafting would get on the same tokens: a label the draft
+vocabulary lacks counts as a miss (`OUT_OF_VOCAB`), and the acceptance length is the mean
+over rows of 1 + the number of leading TTT steps that are right (a chain of k =
+`ttt_steps` drafts stops at its first wrong one).
 """
 
 from __future__ import annotations
@@ -25,7 +30,21 @@ from tqdm import tqdm
 from cluster.train.feature_store import load_shards
 from cluster.train.ttt import row_window
 
-__all__ = ["Batch", "StepFn", "TrainConfig", "collate", "evaluate", "fit", "load_shards"]
+__all__ = [
+    "NO_LABEL",
+    "OUT_OF_VOCAB",
+    "Batch",
+    "StepCounts",
+    "StepFn",
+    "TrainConfig",
+    "collate",
+    "evaluate",
+    "fit",
+    "load_shards",
+]
+
+NO_LABEL = -100  # a row with nothing to predict at this step (no loss, not counted)
+OUT_OF_VOCAB = -1  # a label outside the draft vocabulary: no loss, counted as a miss
 
 
 @dataclass(frozen=True)
@@ -57,7 +76,8 @@ class Batch:
     ids: torch.Tensor  # [B, T] int64, zero-padded
     features: torch.Tensor  # [B, T, F] float32
     valid: torch.Tensor  # [B, T] bool: real tokens
-    labels: list[torch.Tensor]  # per TTT step [B, T]: the token row p predicts, or -100
+    labels: list[torch.Tensor]  # per TTT step [B, T]: the class row p predicts, or NO_LABEL
+    # (OUT_OF_VOCAB where the label map lacks the token)
     first_row: torch.Tensor  # [B] int64: the first row with a label at any step
 
     def to(self, device: torch.device) -> Batch:
@@ -76,8 +96,55 @@ class Batch:
         return anchors, [lab.gather(1, anchors) for lab in self.labels]
 
 
-# batch -> (loss, correct top-1 predictions per step, counted predictions per step)
-StepFn = Callable[[Batch], tuple[torch.Tensor, list[int], list[int]]]
+@dataclass(frozen=True)
+class StepCounts:
+    """Top-1 counts over some rows, per TTT step."""
+
+    hits: list[int]  # right predictions
+    totals: list[int]  # labelled rows
+    chain_hits: list[int]  # rows whose steps 0..j are all right (a greedy chain's acceptance)
+
+    @staticmethod
+    def of(predictions: list[torch.Tensor], labels: list[torch.Tensor]) -> StepCounts:
+        """From each step's predicted classes and labels, [B, W] each, row p the same
+        anchor at every step."""
+        hits, totals, chain_hits = [], [], []
+        chain = None
+        for predicted, label in zip(predictions, labels, strict=True):
+            right = (predicted == label) & (label >= 0)  # never at NO_LABEL or OUT_OF_VOCAB
+            chain = right if chain is None else chain & right
+            hits.append(int(right.sum()))
+            totals.append(int((label != NO_LABEL).sum()))
+            chain_hits.append(int(chain.sum()))
+        return StepCounts(hits, totals, chain_hits)
+
+    def __add__(self, other: StepCounts) -> StepCounts:
+        def add(a: list[int], b: list[int]) -> list[int]:
+            return [x + y for x, y in zip(a, b, strict=True)]
+
+        return StepCounts(
+            add(self.hits, other.hits),
+            add(self.totals, other.totals),
+            add(self.chain_hits, other.chain_hits),
+        )
+
+    @property
+    def accuracy(self) -> list[float]:
+        return [h / max(1, t) for h, t in zip(self.hits, self.totals, strict=True)]
+
+    @property
+    def acceptance_length(self) -> float:
+        """1 + the mean number of leading right steps, over rows labelled at step 0."""
+        return 1 + sum(self.chain_hits) / max(1, self.totals[0])
+
+
+def loss_labels(labels: torch.Tensor) -> torch.Tensor:
+    """`labels` with OUT_OF_VOCAB turned into NO_LABEL (cross-entropy's ignore_index)."""
+    return labels.masked_fill(labels == OUT_OF_VOCAB, NO_LABEL)
+
+
+# batch -> (loss, the batch's top-1 counts)
+StepFn = Callable[[Batch], tuple[torch.Tensor, StepCounts]]
 
 
 def make_batches(
@@ -102,14 +169,14 @@ def collate(
     sequences: list[dict[str, Any]], index: list[int], label_map: torch.Tensor | None, steps: int
 ) -> Batch:
     """Padded batch; row p of step j is labelled with token p + 2 + j when that is an answer
-    token after the first, mapped through `label_map` (target id -> class, -100: none)."""
+    token after the first, mapped through `label_map` (target id -> class, or OUT_OF_VOCAB)."""
     rows = [sequences[i] for i in index]
     length = max(len(r["token_ids"]) for r in rows)
     width = rows[0]["features"].shape[-1]
     ids = torch.zeros(len(rows), length, dtype=torch.int64)
     feats = torch.zeros(len(rows), length, width)
     valid = torch.zeros(len(rows), length, dtype=torch.bool)
-    labels = [torch.full((len(rows), length), -100, dtype=torch.int64) for _ in range(steps)]
+    labels = [torch.full((len(rows), length), NO_LABEL, dtype=torch.int64) for _ in range(steps)]
     first_row = torch.tensor([max(0, r["answer_start"] - steps) for r in rows])
     for b, r in enumerate(rows):
         n = len(r["token_ids"])
@@ -125,12 +192,6 @@ def collate(
     return Batch(ids, feats, valid, labels, first_row)
 
 
-def top1_hits(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
-    """(correct, counted) top-1 predictions where `labels` != -100."""
-    mask = labels != -100
-    return int((logits.argmax(-1)[mask] == labels[mask]).sum()), int(mask.sum())
-
-
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -138,18 +199,19 @@ def evaluate(
     sequences: list[dict[str, Any]],
     label_map: torch.Tensor | None,
     config: TrainConfig,
-) -> list[float]:
-    """Held-out top-1 accuracy of each TTT step (each step's acceptance, given the earlier ones)."""
+) -> dict[str, Any]:
+    """Held-out top-1 accuracy of each TTT step (given the true earlier tokens) and the
+    acceptance length of greedy chains of `ttt_steps` drafts."""
     model.eval()
-    hits = [0] * config.ttt_steps
-    totals = [0] * config.ttt_steps
+    counts = StepCounts([0] * config.ttt_steps, [0] * config.ttt_steps, [0] * config.ttt_steps)
     for index in make_batches(sequences, config.batch_tokens, random.Random(0)):
         batch = collate(sequences, index, label_map, config.ttt_steps)
-        _, h, t = step_fn(batch.to(config.torch_device))
-        hits = [a + b for a, b in zip(hits, h, strict=True)]
-        totals = [a + b for a, b in zip(totals, t, strict=True)]
+        counts = counts + step_fn(batch.to(config.torch_device))[1]
     model.train()
-    return [h / max(1, t) for h, t in zip(hits, totals, strict=True)]
+    return {
+        "held_out_accuracy": counts.accuracy,
+        "held_out_acceptance_length": counts.acceptance_length,
+    }
 
 
 def fit(
@@ -199,7 +261,7 @@ def fit(
         for index in bar:
             started = time.perf_counter()
             batch = collate(train, index, label_map, config.ttt_steps)
-            loss, hits, totals = step_fn(batch.to(config.torch_device))
+            loss, counts = step_fn(batch.to(config.torch_device))
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -207,25 +269,33 @@ def fit(
             schedule.step()
             losses.append(loss.item())
             train_seconds += time.perf_counter() - started
-            seen, epoch_tokens = seen + totals[0], epoch_tokens + totals[0]
-            accuracy = "/".join(f"{h / max(1, t):.2f}" for h, t in zip(hits, totals, strict=True))
+            seen, epoch_tokens = seen + counts.totals[0], epoch_tokens + counts.totals[0]
+            accuracy = "/".join(f"{a:.2f}" for a in counts.accuracy)
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=accuracy)
             if config.eval_every_tokens and evals and seen >= next_eval:
                 next_eval = seen + config.eval_every_tokens
                 held_out = evaluate(model, step_fn, evals, label_map, config)
-                curve.append({"answer_tokens_seen": seen, "held_out_accuracy": held_out})
-        held_out = evaluate(model, step_fn, evals, label_map, config) if evals else []
+                curve.append({"answer_tokens_seen": seen, **held_out})
+        held_out = (
+            evaluate(model, step_fn, evals, label_map, config)
+            if evals
+            else {"held_out_accuracy": [], "held_out_acceptance_length": None}
+        )
         history.append(
             {
                 "epoch": epoch + 1,
                 "train_loss": sum(losses) / len(losses),
-                "held_out_accuracy": held_out,
+                **held_out,
                 "answer_tokens_seen": seen,
                 "answer_tokens_per_s": round(epoch_tokens / max(train_seconds, 1e-9)),
                 **({"curve": curve} if curve else {}),
             }
         )
-        print(f"epoch {epoch + 1}: held-out accuracy per step {[round(a, 3) for a in held_out]}")
+        print(
+            f"epoch {epoch + 1}: held-out accuracy per step "
+            f"{[round(a, 3) for a in held_out['held_out_accuracy']]}, acceptance length "
+            f"{held_out['held_out_acceptance_length']}"
+        )
         torch.save(
             {
                 "model": model.state_dict(),

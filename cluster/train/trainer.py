@@ -4,7 +4,8 @@ Reduced draft vocabulary: the `draft_vocab_size` most frequent answer tokens (`d
 draft id i to target id i + d2t[i]; `t2d` marks target ids in the draft vocabulary).
 Loss: cross-entropy of every TTT step's logits against the target's own next tokens (the
 data are the target's greedy answers), weighted 0.8^step; positions whose label lies
-outside the draft vocabulary or the answer are ignored. Deterministic given the seed;
+outside the draft vocabulary or the answer have no loss (the former count as misses in
+the accuracy). Deterministic given the seed;
 checkpoints every epoch and resumes from the last one.
 """
 
@@ -17,24 +18,29 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from cluster.train.eagle3_model import Eagle3Trainable
 from cluster.train.loop import (
+    NO_LABEL,
+    OUT_OF_VOCAB,
     Batch,
+    StepCounts,
     StepFn,
     TrainConfig,
     fit,
     load_shards,
+    loss_labels,
     make_batches,
-    top1_hits,
 )
 
 __all__ = [
     "TrainConfig",
+    "draft_classes",
     "draft_vocabulary",
     "eagle3_step",
     "export_eagle3",
+    "import_eagle3",
     "load_shards",
     "make_batches",
     "save_state",
@@ -56,23 +62,28 @@ def draft_vocabulary(
     return targets - torch.arange(len(targets)), t2d
 
 
+def draft_classes(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[vocab] the draft id of every target id (OUT_OF_VOCAB for ids the head lacks): the
+    label map of `collate`."""
+    classes = torch.full((vocab_size,), OUT_OF_VOCAB, dtype=torch.int64)
+    classes[torch.arange(len(d2t)) + d2t] = torch.arange(len(d2t))
+    return classes
+
+
 def eagle3_step(model: torch.nn.Module, config: TrainConfig, window: bool = True) -> StepFn:
     """The EAGLE-3 `StepFn`: weighted cross-entropy of every TTT step (draft vocabulary).
     `window`: compute only rows with labels (prompt rows give keys only); False computes
     every row, the reference the training benchmark times it against."""
 
-    def step(batch: Batch) -> tuple[torch.Tensor, list[int], list[int]]:
+    def step(batch: Batch) -> tuple[torch.Tensor, StepCounts]:
         anchors, labels = batch.window() if window else (None, batch.labels)
         outputs = model(batch.ids, batch.features, batch.valid, config.ttt_steps, anchors)
-        total, hits, totals = 0.0, [], []
+        total = 0.0
         for j, (logits, lab) in enumerate(zip(outputs, labels, strict=True)):
             total = total + config.step_weight**j * F.cross_entropy(
-                logits.flatten(0, 1), lab.flatten(), ignore_index=-100
+                logits.flatten(0, 1), loss_labels(lab).flatten(), ignore_index=NO_LABEL
             )
-            h, t = top1_hits(logits, lab)
-            hits.append(h)
-            totals.append(t)
-        return total, hits, totals
+        return total, StepCounts.of([out.argmax(-1) for out in outputs], labels)
 
     return step
 
@@ -93,9 +104,6 @@ def train_eagle3(
     vocab = int(target_config.vocab_size)
     d2t, t2d = draft_vocabulary(train, config.draft_vocab_size, vocab)
     draft_ids = torch.arange(len(d2t)) + d2t  # target id of each draft id
-    target_to_draft = torch.full((vocab,), -100, dtype=torch.int64)
-    target_to_draft[draft_ids] = torch.arange(len(d2t))
-
     model = Eagle3Trainable(target_config, len(d2t), embed_weight)
     with torch.no_grad():
         model.lm_head.weight.copy_(head_weight[draft_ids])  # start from the target's head rows
@@ -104,7 +112,13 @@ def train_eagle3(
     checkpoint = os.path.join(checkpoint_dir or out_dir, "train_state.pt")
     runner = torch.compile(model, dynamic=True) if config.compile else model
     history = fit(
-        model, eagle3_step(runner, config), train, evals, target_to_draft, config, checkpoint
+        model,
+        eagle3_step(runner, config),
+        train,
+        evals,
+        draft_classes(d2t, vocab),
+        config,
+        checkpoint,
     )
     export_eagle3(model, target_config, d2t, t2d, out_dir)
     return {"history": history, "draft_vocab_size": len(d2t)}
@@ -146,3 +160,20 @@ def export_eagle3(
         target_hidden_size=int(target_config.hidden_size),
         tie_word_embeddings=False,
     )
+
+
+def import_eagle3(
+    head_dir: str, target_config: Any, embed_weight: torch.Tensor
+) -> tuple[Eagle3Trainable, torch.Tensor]:
+    """(the trainable head, d2t) of an exported head (`export_eagle3`), in float32: to
+    measure a shipped head the way training does, or to train it further."""
+    state = load_file(os.path.join(head_dir, "model.safetensors"))
+    d2t = state.pop("d2t")
+    state.pop("t2d", None)
+    model = Eagle3Trainable(target_config, len(d2t), embed_weight)
+    missing, unexpected = model.load_state_dict(
+        {k: v.float() for k, v in state.items()}, strict=False
+    )
+    if unexpected or [k for k in missing if not k.startswith("embed.")]:
+        raise ValueError(f"{head_dir}: not an EAGLE-3 head of this shape ({missing, unexpected})")
+    return model, d2t
