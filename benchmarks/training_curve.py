@@ -1,6 +1,9 @@
 """Held-out top-1 accuracy of a draft head against the answer tokens it was trained on,
 from the `recipe.json` of one or more training runs (`cluster train-draft
 --eval-every-tokens N` records points within epochs): does more data still help?
+Runs since the acceptance-length figure was added also print the held-out acceptance
+length of greedy chains (older runs left labels outside the draft vocabulary uncounted,
+so their accuracies read higher than the engine sees).
 
     python benchmarks/training_curve.py RECIPE.json [RECIPE.json ...] \
         [--out benchmarks/results/heldout_accuracy_vs_tokens.png]
@@ -15,18 +18,27 @@ import json
 import os
 
 
-def points(recipe: dict) -> list[tuple[int, list[float]]]:
-    """(answer tokens trained on, held-out accuracy per TTT step), in training order."""
+def points(recipe: dict) -> list[tuple[int, list[float], float | None]]:
+    """(answer tokens trained on, held-out accuracy per TTT step, held-out acceptance
+    length or None), in training order."""
     found = []
     tokens_per_epoch = recipe.get("train_answer_tokens")
     for epoch in recipe["history"]:
         for p in epoch.get("curve", []):
-            found.append((p["answer_tokens_seen"], p["held_out_accuracy"]))
+            found.append(
+                (
+                    p["answer_tokens_seen"],
+                    p["held_out_accuracy"],
+                    p.get("held_out_acceptance_length"),
+                )
+            )
         seen = epoch.get("answer_tokens_seen")
         if seen is None and tokens_per_epoch:  # runs from before the curve was recorded
             seen = tokens_per_epoch * epoch["epoch"]
         if seen is not None:
-            found.append((seen, epoch["held_out_accuracy"]))
+            found.append(
+                (seen, epoch["held_out_accuracy"], epoch.get("held_out_acceptance_length"))
+            )
     return found
 
 
@@ -49,13 +61,17 @@ def main() -> None:
             recipe = json.load(f)
         run = points(recipe)
         print(f"\n{label}: {recipe.get('train_answer_tokens', '?')} answer tokens per epoch")
-        print("| answer tokens trained | held-out accuracy per TTT step |\n|---:|---|")
-        for seen, acc in run:
-            print(f"| {seen} | {' / '.join(f'{a:.3f}' for a in acc)} |")
+        print(
+            "| answer tokens trained | held-out accuracy per TTT step | acceptance length |\n"
+            "|---:|---|---:|"
+        )
+        for seen, acc, length in run:
+            chain = "n/a" if length is None else f"{length:.3f}"
+            print(f"| {seen} | {' / '.join(f'{a:.3f}' for a in acc)} | {chain} |")
         for step in range(len(run[0][1]) if run else 0):
             ax.plot(
-                [s for s, _ in run],
-                [a[step] for _, a in run],
+                [s for s, _, _ in run],
+                [a[step] for _, a, _ in run],
                 marker=".",
                 label=f"{label}, step {step}",
             )
