@@ -8,6 +8,11 @@ get accepted on repetitive text. `--head DIR [DIR ...]` adds trained EAGLE-3 hea
 column checks the measured mean acceptance length against (1 - a^(k+1)) / (1 - a) from
 the measured per-token acceptance a.
 
+Both engines stay loaded and their runs interleave (off, spec, spec, off, ... for
+`--rounds` rounds); tokens/s are medians, the speedup is the ratio of the medians.
+`--spec-options JSON` adds speculative settings to every method (e.g. the default
+manifest's `{"adaptive": true, "hybrid_lookup_min": 2, "min_draft_confidence": 0.3}`).
+
     python benchmarks/spec_decode.py [--model PATH] [--k 3] [--new-tokens 32] [--batches 1 16]
     python benchmarks/spec_decode.py --head cluster/heads/smollm2-eagle3 --methods eagle3:smollm2-eagle3 ngram --prompts heldout
 """
@@ -15,7 +20,9 @@ the measured per-token acceptance a.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import tempfile
 import time
 import warnings
@@ -61,6 +68,8 @@ def main() -> None:
     parser.add_argument("--prompts", choices=["builtin", "heldout"], default="builtin")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--rounds", type=int, default=2, help="off, spec, spec, off per round")
+    parser.add_argument("--spec-options", default="{}", help="JSON added to every method's spec")
     args = parser.parse_args()
 
     path = args.model or ensure_default_model()
@@ -76,9 +85,10 @@ def main() -> None:
     engine = dict(
         dtype="float32", max_model_len=512, max_num_seqs=max(args.batches), compile=args.compile
     )
+    options = json.loads(args.spec_options)
     rows = []
-    with LLM(path, **engine) as llm:
-        tokenizer = llm.get_tokenizer()
+    with LLM(path, **engine) as off:
+        tokenizer = off.get_tokenizer()
         chats = [
             tokenizer.apply_chat_template(
                 list(chat), add_generation_prompt=True, tokenize=True, return_dict=False
@@ -86,32 +96,37 @@ def main() -> None:
             for chat in questions
         ]
         batches = {b: [chats[i % len(chats)] for i in range(b)] for b in args.batches}
-        run(llm, batches[args.batches[0]], 4)  # warm-up
-        baseline = {b: run(llm, prompts, args.new_tokens) for b, prompts in batches.items()}
-    for method in methods:
-        spec = {**specs[method], "num_speculative_tokens": args.k}
-        with LLM(path, speculative_config=spec, **engine) as llm:
-            for b, prompts in batches.items():
-                before = llm.get_metrics()
-                tps = run(llm, prompts, args.new_tokens)
-                after = llm.get_metrics()
-                drafts = after["num_drafts"] - before["num_drafts"]
-                draft_tokens = after["num_draft_tokens"] - before["num_draft_tokens"]
-                accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-                rows.append(
-                    (
-                        method,
-                        b,
-                        tps,
-                        baseline[b],
-                        accepted / draft_tokens if draft_tokens else 0.0,
-                        1 + accepted / drafts if drafts else 1.0,
+        run(off, batches[args.batches[0]], 4)  # warm-up
+        for method in methods:
+            spec = {**specs[method], "num_speculative_tokens": args.k, **options}
+            with LLM(path, speculative_config=spec, **engine) as llm:
+                run(llm, batches[args.batches[0]], 4)  # warm-up
+                for b, prompts in batches.items():
+                    before = llm.get_metrics()
+                    times: dict[str, list[float]] = {"off": [], "spec": []}
+                    for _ in range(args.rounds):
+                        for side in ("off", "spec", "spec", "off"):
+                            timed = off if side == "off" else llm
+                            times[side].append(run(timed, prompts, args.new_tokens))
+                    after = llm.get_metrics()
+                    drafts = after["num_drafts"] - before["num_drafts"]
+                    draft_tokens = after["num_draft_tokens"] - before["num_draft_tokens"]
+                    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+                    rows.append(
+                        (
+                            method,
+                            b,
+                            statistics.median(times["spec"]),
+                            statistics.median(times["off"]),
+                            accepted / draft_tokens if draft_tokens else 0.0,
+                            1 + accepted / drafts if drafts else 1.0,
+                        )
                     )
-                )
 
     heads = "trained EAGLE-3 heads + random heads" if args.head else "random draft heads"
     print(
-        f"model={path} k={args.k} new_tokens={args.new_tokens} prompts={args.prompts} ({heads})\n"
+        f"model={path} k={args.k} new_tokens={args.new_tokens} prompts={args.prompts} ({heads})"
+        f" options={options} rounds={args.rounds}\n"
     )
     print(
         "| method | batch | spec tokens/s | off tokens/s | speedup | acceptance rate "
