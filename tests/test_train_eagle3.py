@@ -5,6 +5,7 @@ head the engine loads and keeps lossless."""
 import pytest
 import torch
 from forward_helpers import draft_prefill, prefill, store_in_parts
+from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
@@ -21,6 +22,7 @@ from cluster.train.trainer import (
     draft_vocabulary,
     eagle3_step,
     export_eagle3,
+    import_eagle3,
     load_shards,
     train_eagle3,
 )
@@ -191,3 +193,25 @@ def test_short_training_lowers_the_loss_and_stays_lossless(setup):
         hf.config, embed, hf.lm_head.weight.detach(), str(root / "features"), None, out, config
     )
     assert again["history"] == []
+
+
+def test_an_exported_head_imports_back_to_the_same_weights(setup, tmp_path):
+    _, hf, _, _ = setup
+    torch.manual_seed(3)
+    embed = hf.model.embed_tokens.weight.detach()
+    model = Eagle3Trainable(hf.config, 300, embed)
+    d2t = torch.zeros(300, dtype=torch.int64)  # the identity: draft id i is target id i
+    t2d = torch.ones(300, dtype=torch.bool)
+    (tmp_path / "a").mkdir()
+    export_eagle3(model, hf.config, d2t, t2d, str(tmp_path / "a"), dtype=torch.float32)
+    imported, imported_d2t = import_eagle3(str(tmp_path / "a"), hf.config, embed)
+    assert torch.equal(imported_d2t, d2t)
+    theirs, ours = imported.state_dict(), model.state_dict()
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
+    # a folder without the fuse layer is refused by name, not loaded half-random
+    state = load_file(str(tmp_path / "a" / "model.safetensors"))
+    del state["fc.weight"]
+    (tmp_path / "b").mkdir()
+    save_file(state, str(tmp_path / "b" / "model.safetensors"))
+    with pytest.raises(ValueError, match="not an EAGLE-3 head"):
+        import_eagle3(str(tmp_path / "b"), hf.config, embed)
