@@ -27,7 +27,7 @@ from cluster.models.eagle3 import eagle3_aux_layers
 from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
 from cluster.train.answer_store import AnswerStore
-from cluster.train.dataset import _aux_states
+from cluster.train.dataset import aux_states
 from cluster.train.loop import StepCounts, TrainConfig, collate
 from cluster.train.trainer import draft_classes, eagle3_step, import_eagle3
 
@@ -40,7 +40,7 @@ def teacher_forced(path: str, head: str, samples: list, k: int) -> StepCounts:
     hf_config = model_config.hf_config
     aux = eagle3_aux_layers(int(hf_config.num_hidden_layers))
     with torch.inference_mode():
-        features = [f for s in samples for f in _aux_states(model, [s], aux)]
+        features = [f for s in samples for f in aux_states(model, [s], aux)]
     embed = model.model.embed_tokens.weight.detach().float()
     trainable, d2t = import_eagle3(head, hf_config, embed)
     sequences = [

@@ -29,6 +29,7 @@ from cluster.train.prompts import Chat, follow_up_chats
 __all__ = [
     "Sample",
     "answer_with_follow_ups",
+    "aux_states",
     "cache_features",
     "feature_dirs",
     "generate_answers",
@@ -179,7 +180,7 @@ def cache_features(
         rows = [
             f
             for group in _groups(samples, max_batch_tokens)
-            for f in _aux_states(model, group, aux_layers)
+            for f in aux_states(model, group, aux_layers)
         ]
         write_part(out_dir, index, samples, rows)
     return out_dir
@@ -198,7 +199,7 @@ def _groups(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
     return [g for g in groups if g]
 
 
-def _aux_states(
+def aux_states(
     model: torch.nn.Module, group: list[Sample], aux_layers: tuple[int, ...]
 ) -> list[torch.Tensor]:
     """Per sample, [len, len(aux_layers) * hidden] (no `aux_layers`: the final hidden
