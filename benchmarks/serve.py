@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 import warnings
@@ -112,7 +113,8 @@ def with_step_timings(run: Callable[[], dict[str, float]], scheduler) -> dict[st
     }
 
 
-def ray_calls(manifest, params) -> dict[str, Call]:
+def ray_calls(manifest, params) -> tuple[dict[str, Call], str]:
+    """The four Ray paths, and the HTTP ingress the replica reports."""
     import openai
     from ray import serve
 
@@ -152,12 +154,13 @@ def ray_calls(manifest, params) -> dict[str, Call]:
         usage = [c.usage async for c in stream if c.usage]
         return usage[-1].completion_tokens
 
-    return {
+    paths = {
         "Serve handle": handle_whole,
         "Serve handle, streamed": handle_stream,
         "HTTP (openai client)": http_whole,
         "HTTP, streamed": http_stream,
     }
+    return paths, handle.stats.remote().result()["http_ingress"]
 
 
 def main() -> None:
@@ -176,6 +179,13 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads, here and per worker actor"
     )
+    parser.add_argument(
+        "--ingress",
+        choices=("proxy", "haproxy"),
+        default="proxy",
+        help="Serve's HTTP ingress: its Python proxy, or HAProxy straight to the replica "
+        "(RAY_SERVE_ENABLE_HA_PROXY=1 for the Ray started here)",
+    )
     args = parser.parse_args()
 
     import ray
@@ -183,6 +193,7 @@ def main() -> None:
 
     from cluster import LLM, SamplingParams
     from cluster.serve import load_manifest
+    from cluster.serve.launch import start_local_ray
 
     torch.set_num_threads(args.threads)
     manifest = load_manifest(args.manifest).with_args(
@@ -199,7 +210,8 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     base = "in-process LLM.generate"
     runs: dict[tuple[str, int], list[dict[str, float]]] = {}
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1" if args.ingress == "haproxy" else "0"
+    start_local_ray(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     # Both engines stay up; an idle one costs no CPU. Each round measures every path,
     # then again in reverse order (A, B, ..., B, A), and the table reports medians.
     llm = LLM(**manifest.args.engine_args())
@@ -207,7 +219,7 @@ def main() -> None:
         paths: dict[str, Callable[[int], dict[str, float]]] = {
             base: lambda c: in_process(llm, params, c, args.requests_per_client)
         }
-        calls = ray_calls(manifest, params)
+        calls, ingress = ray_calls(manifest, params)
         scheduler = scheduler_actor()
         for name, call in calls.items():
             paths[name] = lambda c, call=call: with_step_timings(
@@ -228,7 +240,7 @@ def main() -> None:
     spec = "off" if manifest.args.speculative is None else manifest.args.speculative["method"]
     print(
         f"\n{manifest.args.served_model_name}, speculation {spec}, {args.max_tokens} tokens "
-        f"per request, {args.requests_per_client} requests per client\n"
+        f"per request, {args.requests_per_client} requests per client, HTTP ingress: {ingress}\n"
     )
     print(
         "| path | concurrency | mean latency (s) | p50 (s) | p90 (s) | tokens/s | vs in-process |"

@@ -65,7 +65,7 @@ def run_demo(
     import ray
     from ray import serve
 
-    from cluster.serve.launch import deploy
+    from cluster.serve.launch import deploy, start_local_ray
     from cluster.serve.manifest import load_manifest
 
     prompts = prompts or DEMO_PROMPTS
@@ -73,8 +73,7 @@ def run_demo(
     manifest = load_manifest(path)
     level = logging.INFO if verbose else logging.WARNING
     print(f"starting a local Ray for {os.path.relpath(path)}", flush=True)
-    ray.init(
-        address="local",
+    start_local_ray(
         logging_level=level,
         log_to_driver=verbose,
         include_dashboard=verbose,

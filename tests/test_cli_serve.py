@@ -39,7 +39,7 @@ def _wait_for_line(lines: queue.Queue, prefix: str, timeout_s: float, seen: list
 class Server:
     """One `cluster serve` process and the lines it printed."""
 
-    def __init__(self, manifest: str) -> None:
+    def __init__(self, manifest: str, env: dict[str, str] | None = None) -> None:
         command = [sys.executable, "-m", "cluster.cli", "serve", manifest]
         self.proc = subprocess.Popen(
             command,
@@ -47,7 +47,7 @@ class Server:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
-            env={**os.environ, "RAY_DEDUP_LOGS": "1"},
+            env={**os.environ, "RAY_DEDUP_LOGS": "1", **(env or {})},
         )
         self.lines: queue.Queue = queue.Queue()
         self.seen: list[str] = []
@@ -95,20 +95,36 @@ def tiny_manifest(tmp_path, smollm2_path, name: str, **sections) -> str:
     return str(manifest)
 
 
+def _stream(url: str) -> str:
+    """A streamed completion's text, from its server-sent events."""
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True, "stream": True}
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as r:
+        events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+
 def test_two_cluster_serves_each_run_their_own_ray_and_stop_on_ctrl_c(tmp_path, smollm2_path):
     manifest = tiny_manifest(tmp_path, smollm2_path, "cli")
-    first = Server(manifest)
+    haproxy = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}  # both: their HAProxys must not collide
+    first = Server(manifest, env=haproxy)
     second = None
     try:
-        first_url = first.wait_for("base URL:", 180)
+        assert first.wait_for("HTTP ingress:", 180) == "haproxy"
+        first_url = first.wait_for("base URL:", 30)
         with urllib.request.urlopen(f"{first_url}/health", timeout=30) as r:
             assert r.status == 200
         assert _complete(first_url) == 4
         # Only now the same manifest again (same application name), on the same machine:
         # joining the first one's Ray is what must not happen.
-        second = Server(manifest)
-        second_url = second.wait_for("base URL:", 180)
+        second = Server(manifest, env=haproxy)
+        assert second.wait_for("HTTP ingress:", 180) == "haproxy"
+        second_url = second.wait_for("base URL:", 30)
         assert second_url != first_url and _complete(second_url) == 4
+        assert _stream(second_url) == _stream(first_url) != ""
         second.stop()
         assert _complete(first_url) == 4  # neither redeployed nor shut down by the second
         first.stop()

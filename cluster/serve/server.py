@@ -10,6 +10,7 @@ loop is alive and not stalled; a failure makes Serve replace the whole replica.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,6 +31,17 @@ from cluster.serve.errors import EngineUnavailableError, InvalidRequestError, Ov
 from cluster.serve.metrics import ServerMetrics
 from cluster.serve.protocol import GenerateOutput, GenerateRequest, TokenLogprob, TopLogprob
 
+logger = logging.getLogger("ray.serve")
+
+
+def http_ingress() -> str:
+    """How HTTP reaches this replica: Serve decides it from its environment at start."""
+    from ray.serve._private import constants
+
+    if getattr(constants, "RAY_SERVE_ENABLE_HA_PROXY", False):
+        return "haproxy"  # HAProxy forwards to this replica's own HTTP server
+    return "proxy"  # Serve's Python proxy, then a Ray call per request
+
 
 class LLMServer:
     def __init__(self, args: ClusterArgs | dict[str, Any]) -> None:
@@ -45,6 +57,7 @@ class LLMServer:
             stall_timeout_s=self.args.server.stall_timeout_s,
             observer=self.metrics.observe_batch,
         )
+        logger.info("LLMServer %s: HTTP ingress %s", self.model_id, http_ingress())
 
     # ---- the handle API ------------------------------------------------------------------
     async def generate(
@@ -203,6 +216,7 @@ class LLMServer:
         describe = await self.engine.describe()
         return {
             "engine_id": self.engine.engine_id,
+            "http_ingress": http_ingress(),
             "num_unfinished_requests": self.engine.num_unfinished_requests,
             "engine": asdict(self.engine.stats),
             **describe,
