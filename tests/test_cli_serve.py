@@ -69,13 +69,26 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def _complete(url: str) -> int:
-    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+def _completions(url: str, **fields) -> str:
+    """The body of a 4-token completion of "hi" (`fields` added to the request)."""
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True, **fields}
     request = urllib.request.Request(
-        f"{url}/v1/completions", body.encode(), {"Content-Type": "application/json"}
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(request, timeout=60) as r:
-        return json.loads(r.read())["usage"]["completion_tokens"]
+        return r.read().decode()
+
+
+def _complete(url: str) -> int:
+    return json.loads(_completions(url))["usage"]["completion_tokens"]
+
+
+def _stream(url: str) -> str:
+    """A streamed completion's text, from its server-sent events."""
+    lines = _completions(url, stream=True).splitlines()
+    events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
 
 
 def tiny_manifest(tmp_path, smollm2_path, name: str, **sections) -> str:
@@ -93,18 +106,6 @@ def tiny_manifest(tmp_path, smollm2_path, name: str, **sections) -> str:
     manifest = tmp_path / f"{name}.yaml"
     manifest.write_text(yaml.safe_dump({"applications": [app]}))
     return str(manifest)
-
-
-def _stream(url: str) -> str:
-    """A streamed completion's text, from its server-sent events."""
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True, "stream": True}
-    request = urllib.request.Request(
-        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as r:
-        events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
 
 
 def test_two_cluster_serves_each_run_their_own_ray_and_stop_on_ctrl_c(tmp_path, smollm2_path):
