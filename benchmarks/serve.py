@@ -34,6 +34,7 @@ Call = Callable[[str], Awaitable[int]]  # one request -> its output token count
 
 
 async def measure(call: Call, concurrency: int, per_client: int) -> dict[str, float]:
+    """`concurrency` clients sending `per_client` requests each, back to back."""
     latencies: list[float] = []
     tokens = 0
 
@@ -45,7 +46,6 @@ async def measure(call: Call, concurrency: int, per_client: int) -> dict[str, fl
             latencies.append(time.perf_counter() - start)
             tokens += n  # (not `tokens += await ...`: that reads `tokens` before awaiting)
 
-    await call(PROMPTS[0])  # warm-up
     start = time.perf_counter()
     await asyncio.gather(*(client(c) for c in range(concurrency)))
     return _summary(latencies, tokens, time.perf_counter() - start)
@@ -91,6 +91,13 @@ def scheduler_actor():
         if a["namespace"] == ACTOR_NAMESPACE and a["name"].endswith("-scheduler")
     ]
     return ray.get_actor(name, namespace=ACTOR_NAMESPACE)
+
+
+def served(call: Call, concurrency: int, per_client: int, scheduler) -> dict[str, float]:
+    """One warm-up request, then `measure` with step timings (the warm-up's steps, batch-1
+    steps, stay out of them)."""
+    asyncio.run(call(PROMPTS[0]))
+    return with_step_timings(lambda: asyncio.run(measure(call, concurrency, per_client)), scheduler)
 
 
 def with_step_timings(run: Callable[[], dict[str, float]], scheduler) -> dict[str, float]:
@@ -222,9 +229,7 @@ def main() -> None:
         calls, ingress = ray_calls(manifest, params)
         scheduler = scheduler_actor()
         for name, call in calls.items():
-            paths[name] = lambda c, call=call: with_step_timings(
-                lambda: asyncio.run(measure(call, c, args.requests_per_client)), scheduler
-            )
+            paths[name] = lambda c, call=call: served(call, c, args.requests_per_client, scheduler)
         for _ in range(args.rounds):
             for c in args.concurrency:
                 for name in [*paths, *reversed(paths)]:
