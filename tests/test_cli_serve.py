@@ -70,8 +70,15 @@ class Server:
 
 
 def _completions(url: str, **fields) -> str:
-    """The body of a 4-token completion of "hi" (`fields` added to the request)."""
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True, **fields}
+    """The body of a greedy 4-token completion of "hi" (`fields` added to the request)."""
+    body = {
+        "model": "tiny",
+        "prompt": "hi",
+        "max_tokens": 4,
+        "temperature": 0,  # two servers' unseeded samples need not agree
+        "ignore_eos": True,
+        **fields,
+    }
     request = urllib.request.Request(
         f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
