@@ -58,8 +58,8 @@ class ServerArgs(_Frozen):
     # once). One stream gets every step's tokens as they come (10 ms at the default), 16
     # streams one chunk each per 160 ms, 64 per 640 ms. A chunk costs CPU in the replica,
     # the ingress and the client, taken from the model's cores on a small node: at 16
-    # streams on 2 cores, 200 chunks/s ran at 0.89-0.91x of in-process tokens/s, 100 at
-    # 0.95-0.99x (benchmarks/results/serving_overhead.md).
+    # streams on 2 cores behind HAProxy, 200 chunks/s ran at 0.89-0.91x of in-process
+    # tokens/s, 100 at 0.95-0.99x (benchmarks/results/serving_overhead.md).
     stream_chunks_per_s: float = Field(default=100.0, gt=0)
     # A single engine step running longer than this makes the health check fail.
     stall_timeout_s: float = Field(default=60.0, gt=0)
