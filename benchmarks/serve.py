@@ -189,9 +189,9 @@ def main() -> None:
     parser.add_argument(
         "--ingress",
         choices=("proxy", "haproxy"),
-        default="proxy",
-        help="Serve's HTTP ingress: its Python proxy, or HAProxy straight to the replica "
-        "(RAY_SERVE_ENABLE_HA_PROXY=1 for the Ray started here)",
+        default="haproxy",
+        help="Serve's HTTP ingress: HAProxy straight to the replica (the default of a Ray "
+        "started by cluster), or Serve's Python proxy (RAY_SERVE_ENABLE_HA_PROXY=0)",
     )
     args = parser.parse_args()
 

@@ -7,23 +7,31 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import ray
 
 from cluster.actors import ACTOR_NAMESPACE
 from cluster.config import engine_config_from_args
+from cluster.serve.launch import start_local_ray
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
-def init_local_ray(num_cpus: float = 2, **kwargs: Any) -> None:
-    """A local Ray without the dashboard, with a small object store and quiet workers."""
-    ray.init(
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        object_store_memory=200 * 2**20,
-        log_to_driver=False,
-        **kwargs,
-    )
+def init_local_ray(num_cpus: float = 2, ingress: str | None = None, **kwargs: Any) -> None:
+    """A local Ray without the dashboard, with a small object store and quiet workers, and
+    the HTTP ingress `cluster serve` gives it (HAProxy where this Ray has it), or Serve's
+    Python proxy with `ingress="proxy"`."""
+    switch = {None: None, "proxy": "0", "haproxy": "1"}[ingress]
+    with pytest.MonkeyPatch.context() as env:  # this process's environment is kept
+        if switch is not None:
+            env.setenv("RAY_SERVE_ENABLE_HA_PROXY", switch)
+        start_local_ray(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            object_store_memory=200 * 2**20,
+            log_to_driver=False,
+            **kwargs,
+        )
 
 
 def engine_actor_names(prefix: str = "cluster-") -> list[str]:

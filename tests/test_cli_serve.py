@@ -117,8 +117,8 @@ def tiny_manifest(tmp_path, smollm2_path, name: str, **sections) -> str:
 
 def test_two_cluster_serves_each_run_their_own_ray_and_stop_on_ctrl_c(tmp_path, smollm2_path):
     manifest = tiny_manifest(tmp_path, smollm2_path, "cli")
-    haproxy = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}  # both: their HAProxys must not collide
-    first = Server(manifest, env=haproxy)
+    # both on the default ingress, HAProxy: their HAProxys must not collide
+    first = Server(manifest)
     second = None
     try:
         assert first.wait_for("HTTP ingress:", 180) == "haproxy"
@@ -128,7 +128,7 @@ def test_two_cluster_serves_each_run_their_own_ray_and_stop_on_ctrl_c(tmp_path, 
         assert _complete(first_url) == 4
         # Only now the same manifest again (same application name), on the same machine:
         # joining the first one's Ray is what must not happen.
-        second = Server(manifest, env=haproxy)
+        second = Server(manifest)
         assert second.wait_for("HTTP ingress:", 180) == "haproxy"
         second_url = second.wait_for("base URL:", 30)
         assert second_url != first_url and _complete(second_url) == 4

@@ -64,7 +64,9 @@ def server(tmp_path_factory, smollm2_path):
     ]
     path = folder / "faults.yaml"
     path.write_text(yaml.safe_dump({"applications": [app]}))
-    init_local_ray(num_cpus=2)
+    # Serve's Python proxy here (the other serving tests run on the default, HAProxy): a
+    # Ray without HAProxy serves through it, and its statuses must be the same
+    init_local_ray(num_cpus=2, ingress="proxy")
     _, url = deploy(load_manifest(str(path)))
     yield url, serve.get_deployment_handle("LLMServer", "faults")
     serve.shutdown()

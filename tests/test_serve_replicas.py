@@ -88,22 +88,29 @@ def _engines():
 def test_both_replicas_serve_and_backpressure_is_a_503(app):
     assert len(_engines()) == 2  # one engine (scheduler + 2 workers) per replica
     assert len(engine_actor_names()) == 6
+    # max_queued_requests=1 bounds each caller's queue: Serve's proxy holds one queue for
+    # the deployment, while behind HAProxy each replica's own HTTP server holds one.
+    ingress = serve.get_app_handle("tiny").stats.remote().result()["http_ingress"]
+    num_queued = {"proxy": 1, "haproxy": 2}[ingress]
 
     async def main():
         # A replica takes one request at a time (max_ongoing_requests=1), so two streams
-        # running at once are served by the two replicas; a third finds both full and
-        # queues (max_queued_requests=1), a fourth is refused.
+        # running at once are served by the two replicas; the next ones find both full and
+        # queue, and one more is refused.
         client = _client(app)
         a = await _open(client)
         b = await _open(client)
-        queued = asyncio.ensure_future(client.completions.create(**LONG, stream=True))
-        await asyncio.sleep(0.5)
+        queued = []
+        for _ in range(num_queued):
+            queued.append(asyncio.ensure_future(_open(client)))  # no first chunk yet
+            await asyncio.sleep(0.5)
         with pytest.raises(openai.APIStatusError) as e:
             await client.completions.create(**LONG, stream=True)
         assert e.value.status_code == 503  # a real status, not a 200 with a broken stream
-        assert "backpressure" in json.dumps(e.value.body)  # Serve's proxy says why
-        assert not queued.done()
-        queued.cancel()
+        assert "backpressure" in json.dumps(e.value.body)  # Serve says why
+        assert not any(q.done() for q in queued)
+        for q in queued:
+            q.cancel()
         await a.close()
         await b.close()
 

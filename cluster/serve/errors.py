@@ -3,7 +3,8 @@
 The replica raises these (a handle caller gets them wrapped in `RayTaskError`, which is
 also an instance of the original class); `classify` maps anything the OpenAI routes
 catch, the engine's actor errors included, to a status and a message. Serve's own
-back-pressure (`max_queued_requests`) is answered by its proxy: a 503 with Serve's text.
+back-pressure (`max_queued_requests`) never reaches our routes: Serve answers it (the
+replica's direct-ingress server behind HAProxy, or its proxy) with a 503 and its own text.
 """
 
 from __future__ import annotations

