@@ -17,14 +17,13 @@ from cluster.serve.launch import start_local_ray
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
-def init_local_ray(num_cpus: float = 2, ingress: str | None = None, **kwargs: Any) -> None:
+def init_local_ray(num_cpus: float = 2, proxy: bool = False, **kwargs: Any) -> None:
     """A local Ray without the dashboard, with a small object store and quiet workers, and
     the HTTP ingress `cluster serve` gives it (HAProxy where this Ray has it), or Serve's
-    Python proxy with `ingress="proxy"`."""
-    switch = {None: None, "proxy": "0", "haproxy": "1"}[ingress]
+    Python proxy with `proxy`."""
     with pytest.MonkeyPatch.context() as env:  # this process's environment is kept
-        if switch is not None:
-            env.setenv("RAY_SERVE_ENABLE_HA_PROXY", switch)
+        if proxy:
+            env.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
         start_local_ray(
             num_cpus=num_cpus,
             include_dashboard=False,

@@ -66,7 +66,7 @@ def server(tmp_path_factory, smollm2_path):
     path.write_text(yaml.safe_dump({"applications": [app]}))
     # Serve's Python proxy here (the other serving tests run on the default, HAProxy): a
     # Ray without HAProxy serves through it, and its statuses must be the same
-    init_local_ray(num_cpus=2, ingress="proxy")
+    init_local_ray(num_cpus=2, proxy=True)
     _, url = deploy(load_manifest(str(path)))
     yield url, serve.get_deployment_handle("LLMServer", "faults")
     serve.shutdown()
