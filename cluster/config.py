@@ -17,15 +17,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.architectures import check_target_config, has_recurrent_layers
+from cluster.dtypes import resolve_dtype
 from cluster.speculative_config import SpeculativeConfig
 
 DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
-
-_TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 
 
 def stage_layer_counts(
@@ -70,6 +65,11 @@ class ModelConfig(_Frozen):
     max_model_len: int | None = Field(default=None, ge=1)
     # Where the model runs; "auto" means CUDA when available, else CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Every token's logits independent of how many other tokens share its step (no matrix
+    # product runs on a single row, and every step's products use one kernel shape family),
+    # so greedy speculation equals greedy decoding token for token in 16-bit dtypes and a
+    # request's answer does not depend on the server's load (`cluster.worker.model_runner`).
+    batch_invariant: bool = True
 
     @field_validator("path")
     @classmethod
@@ -110,17 +110,10 @@ class ModelConfig(_Frozen):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The compute dtype: "auto" takes the checkpoint's dtype on CUDA and float32 on CPU."""
-        if self.dtype != "auto":
-            return _TORCH_DTYPES[self.dtype]
-        if self.resolved_device == "cpu":
-            return torch.float32
-        saved = getattr(self.hf_config, "dtype", None) or getattr(
-            self.hf_config, "torch_dtype", None
-        )
-        if isinstance(saved, str):
-            saved = _TORCH_DTYPES.get(saved)
-        return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
+        """The compute dtype; "auto" as `cluster.dtypes.resolve_dtype` resolves it
+        (bfloat16 on CPUs with bfloat16 matrix instructions, the checkpoint's 16-bit
+        dtype on CUDA)."""
+        return resolve_dtype(self.dtype, self.hf_config, self.resolved_device)
 
     @property
     def max_position_embeddings(self) -> int:
@@ -272,6 +265,7 @@ _FLAT_ARGS = {
     "dtype": ("model", "dtype"),
     "max_model_len": ("model", "max_model_len"),
     "device": ("model", "device"),
+    "batch_invariant": ("model", "batch_invariant"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "pipeline_layer_partition": ("parallel", "pipeline_layer_partition"),

@@ -43,6 +43,18 @@ def write_kv_ref(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
+# Every query row attends over a key count padded (with masked keys) to a multiple of this,
+# whatever else shares its step. CPU SDPA kernels sum the softmax over vector lanes with a
+# scalar tail, so the rounding of a row depends on its key count modulo the vector width;
+# with aligned key counts, masked keys only add exact zeros, and a row's output is the same
+# alone, in a batch padded to a longer context, in a prefill chunk or in a whole prompt.
+KEY_ALIGN = 16
+
+
+def aligned(num_keys: int) -> int:
+    return -(-num_keys // KEY_ALIGN) * KEY_ALIGN
+
+
 # Sequences with at most this many new tokens share one padded attention call (decode,
 # verification, short prompts); longer ones (prefill chunks) run one by one.
 MAX_BATCHED_QUERY_LEN = 16
@@ -147,6 +159,7 @@ def _plan_group(
     query_lens = [b - a for a, b in itertools.pairwise(query_start_loc)]
     max_q = max(query_lens[i] for i in batched)
     max_blocks = -(-max(seq_lens[i] for i in batched) // block_size)
+    max_len = aligned(max_blocks * block_size)
 
     def ints(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
@@ -158,9 +171,10 @@ def _plan_group(
     is_query = j[None, :] < q_lens[:, None]  # [n, max_q]
     query_rows = torch.where(is_query, starts[:, None] + j[None, :], 0)
     out_rows = torch.where(is_query, starts[:, None] + j[None, :], num_tokens).flatten()
-    pos = torch.arange(max_blocks * block_size, device=device)  # [max_len]
+    pos = torch.arange(max_len, device=device)  # [max_len]
     tables = block_tables[batched, :max_blocks].long()
-    slots = tables[:, pos // block_size] * block_size + pos % block_size  # [n, max_len]
+    block = (pos // block_size).clamp(max=max_blocks - 1)  # past the last block: masked keys
+    slots = tables[:, block] * block_size + pos % block_size  # [n, max_len]
     in_context = pos[None, :] < lens[:, None]
     key_slots = torch.where(in_context, slots, slots[:, :1])  # never read a stale slot
     query_pos = lens[:, None] - q_lens[:, None] + j[None, :]  # [n, max_q]
@@ -173,10 +187,12 @@ def _plan_group(
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[seq_len, kv_heads, head_dim] of one sequence, gathered from its blocks."""
+    """[aligned(seq_len), kv_heads, head_dim] of one sequence, gathered from its blocks;
+    zeros past `seq_len` (callers mask them; a stale slot could hold NaN)."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
+    context = cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
+    return torch.cat([context, context.new_zeros(aligned(seq_len) - seq_len, *context.shape[1:])])
 
 
 def paged_attention_ref(
@@ -213,7 +229,7 @@ def paged_attention_ref(
         start, end = query_start_loc[i], query_start_loc[i + 1]
         seq_k = _gather_context(k_cache, block_tables[i], seq_lens[i])
         seq_v = _gather_context(v_cache, block_tables[i], seq_lens[i])
-        out[start:end] = causal_attention(q[start:end], seq_k, seq_v, scale)
+        out[start:end] = causal_attention(q[start:end], seq_k, seq_v, scale, seq_lens[i])
     return out[:num_tokens]
 
 
@@ -240,16 +256,23 @@ def _attend_group(
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    context_len: int | None = None,
 ) -> torch.Tensor:
-    """One sequence: q [n_q, heads, d] are the last n_q positions of k, v [n_k, kv_heads, d]."""
+    """One sequence: q [n_q, heads, d] are the last n_q positions of a context of
+    `context_len` keys (default: all of k, v [n_k, kv_heads, d]; keys past it are masked)."""
     n_q, n_k = q.shape[0], k.shape[0]
+    context_len = n_k if context_len is None else context_len
     q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n, d]
-    if n_q == n_k:  # the whole sequence is new: plain causal attention
+    if n_q == n_k == context_len:  # the whole sequence is new: plain causal attention
         mask, causal = None, True
-    else:  # query j sits at context position n_k - n_q + j and sees keys up to it
-        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
-        causal = False
+    else:  # query j sits at context position context_len - n_q + j and sees keys up to it
+        key_pos = torch.arange(n_k, device=q.device)
+        query_pos = torch.arange(context_len - n_q, context_len, device=q.device)
+        mask, causal = key_pos[None, :] <= query_pos[:, None], False
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
     )

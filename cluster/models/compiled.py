@@ -21,6 +21,7 @@ reuses them.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 import types
@@ -40,6 +41,21 @@ logger = logging.getLogger(__name__)
 class CompileOptions:
     sizes: tuple[int, ...]  # token-count buckets, ascending
     autotune: bool = True  # CPU: let inductor time its GEMM templates (slower to compile)
+    # One graph for every token count of 2 and more (the token dimension symbolic) instead
+    # of one per bucket: every row of every step then runs the same kernels, which is what
+    # batch invariance needs (per-bucket graphs pick kernels and fusions by size, and an
+    # eager forward above the largest bucket rounds differently from a compiled one).
+    # One graph also compiles in a fraction of the buckets' time. A 1-token forward is
+    # padded to 2 rows (dynamo specialises a dimension of size 1).
+    dynamic: bool = False
+
+    @property
+    def min_rows(self) -> int:
+        return 2 if self.dynamic else 1
+
+
+# The key of the one graph of a dynamic compiled forward (where buckets are token counts).
+DYNAMIC_GRAPH = 0
 
 
 def bucket_for(num_tokens: int, sizes: Sequence[int]) -> int | None:
@@ -125,7 +141,9 @@ class CompiledForward:
         from tqdm.auto import tqdm
 
         start = time.perf_counter()
-        for size in tqdm(self.options.sizes, desc=f"Compiling {self.name}", unit="bucket"):
+        sizes = (self.options.min_rows,) if self.options.dynamic else self.options.sizes
+        for size in tqdm(sizes, desc=f"Compiling {self.name}", unit="graph"):
+            key = DYNAMIC_GRAPH if self.options.dynamic else size
             meta = AttentionMetadata.for_prefill([size], self.device)
             # inference mode and inference tensors, as in the engine's steps (dynamo guards
             # on both: a graph built outside it would be rebuilt at the first step)
@@ -133,22 +151,35 @@ class CompiledForward:
                 ids = torch.zeros(size, dtype=torch.int64, device=self.device)
                 positions = torch.arange(size, device=self.device)
                 rows = [torch.zeros(size, w, dtype=dtype, device=self.device) for w in row_widths]
-                self._run_bucket(size, (ids, positions, *rows))
+                self._run_bucket(key, (ids, positions, *rows))
         return time.perf_counter() - start
+
+    def _compile_config(self) -> Any:
+        """Inductor settings in force while a graph is built. CPU: freezing, which folds the
+        weights into the graph and prepacks the linear layers' for oneDNN; it must be set
+        in inductor's config while compiling (as a `torch.compile` option it does not reach
+        the weight-packing pass, and bfloat16 products then run unpacked, ~1.5x slower)."""
+        if self.device.type == "cuda":
+            return contextlib.nullcontext()
+        return torch._inductor.config.patch(freezing=True)
 
     def _run_bucket(self, size: int, args: tuple[torch.Tensor, ...]) -> Any:
         """The bucket's graph (compiling it the first time). If compiling or running it
         fails, the bucket runs eagerly from then on; running again is safe, since a forward
         only writes this step's keys and values, to the same slots."""
         try:
-            out = self._compiled(*args)
+            if self.options.dynamic:
+                for x in args:  # one graph whatever the token count (others stay static)
+                    torch._dynamo.maybe_mark_dynamic(x, 0)
+            with self._compile_config():
+                out = self._compiled(*args)
         except Exception as exc:  # anything the compiler cannot handle runs eagerly
             self.failed.add(size)
             self.ready.discard(size)
             logger.warning(
-                "%s: the compiled %d-token bucket failed, it runs eagerly (%s: %s)",
+                "%s: the compiled %s failed, it runs eagerly (%s: %s)",
                 self.name,
-                size,
+                "graph" if size == DYNAMIC_GRAPH else f"{size}-token bucket",
                 type(exc).__name__,
                 str(exc).splitlines()[0] if str(exc) else "",
             )
@@ -158,10 +189,14 @@ class CompiledForward:
 
     def __call__(self, *rows: torch.Tensor) -> Any:
         n = rows[0].shape[0]
-        size = bucket_for(n, self.options.sizes)
+        if self.options.dynamic:
+            size = DYNAMIC_GRAPH if DYNAMIC_GRAPH not in self.failed else None
+            rows = tuple(pad_rows(x, max(n, self.options.min_rows)) for x in rows)
+        else:
+            size = bucket_for(n, self.options.sizes)
         if size is None or size in self.failed:
-            return self.fn(*rows)
-        args = tuple(pad_rows(x, size) for x in rows)
+            return cut_rows(self.fn(*rows), n)
+        args = rows if self.options.dynamic else tuple(pad_rows(x, size) for x in rows)
         if size in self.ready:
             # Once a bucket's graph exists, dynamo only needs the guards that tell the
             # buckets apart (their input shapes); the full set costs ~0.6 ms a call. Should

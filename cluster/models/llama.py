@@ -292,9 +292,11 @@ class LlamaForCausalLM(nn.Module):
         return hidden, [aux[order.index(i)] for i in aux_hidden_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] float logits, gathered on every TP rank (last stage)."""
+        """[n, hidden] -> [n, vocab] float32 logits, gathered on every TP rank (last stage).
+        The product runs in the model dtype; from its result on, sampling and verification
+        work in float32."""
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
-        return self.lm_head(hidden)
+        return self.lm_head(hidden).float()
 
     def map_checkpoint_name(self, name: str) -> str | None:
         """Checkpoint name -> parameter name on this stage; None for other stages' tensors.

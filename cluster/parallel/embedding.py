@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.kernels.packed_linear import can_pack, linear, pack_weight
 from cluster.parallel.comm import all_gather, all_reduce
 from cluster.parallel.state import ParallelState
 from cluster.parallel.weights import TensorLike, copy_shard, tensor_name
@@ -77,6 +78,13 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.packed_weight: torch.Tensor | None = None  # see `pack`
+
+    def pack(self) -> None:
+        """Prepack the loaded weight for this CPU's bfloat16 units, where that pays
+        (`cluster.kernels.packed_linear`); a tied weight keeps its plain copy for the
+        embedding."""
+        self.packed_weight = pack_weight(self.weight) if can_pack(self.weight) else None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (`tie_word_embeddings`)."""
@@ -84,6 +92,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_tokens, hidden] -> logits [num_tokens, vocab]
-        logits = F.linear(hidden, self.weight, self.bias)
+        logits = linear(hidden, self.weight, self.bias, self.packed_weight)
         logits = all_gather(logits, self.state, dim=-1)
         return logits[..., : self.num_embeddings]

@@ -8,9 +8,9 @@ for this rank. Weights are `[out_features, in_features]` as in `nn.Linear`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from cluster.kernels.packed_linear import can_pack, linear, pack_weight
 from cluster.parallel.comm import all_gather, all_reduce
 from cluster.parallel.state import ParallelState
 from cluster.parallel.weights import TensorLike, copy_shard
@@ -49,6 +49,16 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.packed_weight: torch.Tensor | None = None  # see `pack`
+
+    def pack(self) -> None:
+        """Prepack the loaded weight for this CPU's bfloat16 units, where that pays
+        (`cluster.kernels.packed_linear`); inference only, after the last weight is loaded."""
+        self.packed_weight = pack_weight(self.weight) if can_pack(self.weight) else None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[num_tokens, in_local] -> [num_tokens, out_local] on this rank's shard."""
+        return linear(x, self.weight, bias, self.packed_weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: TensorLike) -> None:
         dim = self.tp_dim if self.tp_dim is not None and self.tp_dim < param.dim() else None
@@ -74,7 +84,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(in_features, out_features, bias, state, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -96,7 +106,7 @@ class ColumnParallelLinear(LinearBase):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [num_tokens, out_local]
+        y = self.matmul(x, self.bias)  # [num_tokens, out_local]
         return all_gather(y, self.state, dim=-1) if self.gather_output else y
 
 
@@ -207,5 +217,16 @@ class RowParallelLinear(LinearBase):
         self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y, self.state) if self.reduce_results else y
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Prepack every linear layer's and LM head's weight in `module` where that pays
+    (bfloat16 on a CPU with oneDNN); returns how many were packed."""
+    packed = 0
+    for m in module.modules():
+        if hasattr(m, "pack") and hasattr(m, "packed_weight"):
+            m.pack()
+            packed += m.packed_weight is not None
+    return packed

@@ -41,6 +41,7 @@ class ModelArgs(_Frozen):
     dtype: DTypeName = "auto"
     max_model_len: int | None = Field(default=None, ge=1)
     device: Device = "auto"
+    batch_invariant: bool = True
 
 
 class ServerArgs(_Frozen):

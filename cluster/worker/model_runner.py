@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ from cluster.engine.messages import (
     TokenLogprobs,
 )
 from cluster.models.attention import AttentionLayer, attention_context
-from cluster.models.compiled import CompiledForward, CompileOptions
+from cluster.models.compiled import CompiledForward, CompileOptions, cut_rows, pad_rows
 from cluster.parallel import ParallelState
 from cluster.parallel.pipeline import StageActivations
 from cluster.sample import (
@@ -83,6 +84,7 @@ class ModelRunner:
         state: ParallelState | None = None,
         compile_options: CompileOptions | None = None,
         state_cache: RecurrentStateCache | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
         self.state_cache = state_cache  # recurrent layers' per-request states, if any
@@ -99,6 +101,12 @@ class ModelRunner:
         # (a draft head's layers are rewritten at the path's final slots by its pass 0).
         self.target_layers = {m.layer_idx for m in model.modules() if isinstance(m, AttentionLayer)}
         self.requests: dict[str, CachedRequestState] = {}
+        # Batch invariance: no matrix product of the target runs on one row. CPU BLAS
+        # libraries compute a single row (a matrix-vector product) in another summation
+        # order than a row of a larger product, so a lone token's logits would differ from
+        # the same token's inside a batch or a verification step; with two rows or more
+        # each row's result is the same whatever the row count.
+        self.min_rows = 2 if batch_invariant else 1
         # Activations from earlier stages carry the aux states of the layers they ran.
         start = getattr(getattr(model, "model", None), "start_layer", 0)
         self.num_aux_from_earlier_stages = len({i for i in aux_hidden_layers if i < start})
@@ -123,6 +131,22 @@ class ModelRunner:
             hidden, residual, *aux = stage_rows
             intermediate = StageActivations(hidden, residual, list(aux))
         return self.model(input_ids, positions, self.aux_hidden_layers, intermediate)
+
+    def _run_target(self, *rows: torch.Tensor) -> Any:
+        """The target's forward over rows of at least `min_rows` (padding rows attend to
+        nothing, write no KV and are cut off)."""
+        n = rows[0].shape[0]
+        if n >= self.min_rows:
+            return self.target_forward(*rows)
+        padded = tuple(pad_rows(x, self.min_rows) for x in rows)
+        return cut_rows(self.target_forward(*padded), n)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, vocab] float32 logits of `hidden` ([n, hidden]), on at least `min_rows` rows."""
+        n = hidden.shape[0]
+        if n >= self.min_rows:
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(pad_rows(hidden, self.min_rows))[:n]
 
     def warm_up(self) -> float:
         """Compile every bucket of the target's and the draft's forward now; returns the
@@ -200,7 +224,7 @@ class ModelRunner:
             self.recv_wait_s += time.perf_counter() - wait_start
             stage_rows = [intermediate.hidden, intermediate.residual, *intermediate.aux]
         with attention_context(inputs.meta):
-            out = self.target_forward(inputs.input_ids, inputs.meta.positions, *stage_rows)
+            out = self._run_target(inputs.input_ids, inputs.meta.positions, *stage_rows)
         if step_states is not None:
             self.state_cache.end_step(step_states)
         if not self.state.is_last_stage:
@@ -250,7 +274,7 @@ class ModelRunner:
                 for lo in range(first, end, PROMPT_LOGITS_ROWS):
                     hi = min(lo + PROMPT_LOGITS_ROWS, end)
                     rows = hidden[row + lo - first : row + hi - first]
-                    logits = self.model.compute_logits(rows)  # [hi - lo, vocab]
+                    logits = self._logits(rows)  # [hi - lo, vocab]
                     targets = state.prompt_token_ids[lo + 1 : hi + 1]
                     ids = torch.tensor(targets, device=self.device)
                     wanted = torch.full_like(ids, num_top)
@@ -270,7 +294,7 @@ class ModelRunner:
     ) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]]]:
         if not inputs.sampled:
             return [], {}
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, vocab]
+        logits = self._logits(hidden[inputs.logits_indices])  # [num_logits, vocab]
         states = [self.requests[s.req_id] for s in inputs.sampled]
         metadata = self._sampling_metadata(states)
         if any(s.num_spec_tokens for s in inputs.sampled):
@@ -296,7 +320,7 @@ class ModelRunner:
     ) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]], dict[str, list[int]]]:
         """Verify each sampled request's draft tree (a chain or no drafts are trees too):
         (tokens per request, logprobs, the accepted nodes of requests that had drafts)."""
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [rows, vocab]
+        logits = self._logits(hidden[inputs.logits_indices])  # [rows, vocab]
         states = [self.requests[s.req_id] for s in inputs.sampled]
         metadata = self._sampling_metadata(states)
         trees = []

@@ -23,6 +23,7 @@ from cluster.models.eagle3 import eagle3_aux_layers
 from cluster.models.gated_delta import RecurrentLayer, RecurrentShape
 from cluster.models.loader import load_draft_head, load_model
 from cluster.parallel import ParallelState, destroy_parallel_state, init_parallel_state
+from cluster.parallel.linear import pack_linears
 from cluster.spec_decode.draft_model import DraftModelProposer
 from cluster.spec_decode.eagle import EagleProposer
 from cluster.spec_decode.hybrid import HybridProposer
@@ -82,6 +83,11 @@ class Worker:
             # The draft LM is whole on the last stage (sharded only by TP).
             whole = dataclasses.replace(self.state, pp_rank=0, pp_size=1, pp_layer_partition=None)
             self.draft_lm = load_model(draft_config, whole, show_progress=False)
+        # bfloat16 on CPU: every linear layer's weight prepacked for oneDNN, once, now that
+        # the last weight is in (eager steps read them; compiled graphs pack their own).
+        for module in (self.model, self.draft_head, self.draft_lm):
+            if module is not None:
+                pack_linears(module)
         # EAGLE-3 reads target layers that may live on earlier stages: every stage collects
         # the ones it runs.
         self.aux_hidden_layers: tuple[int, ...] = ()
@@ -177,6 +183,7 @@ class Worker:
             state=self.state,
             compile_options=compile_options,
             state_cache=state_cache,
+            batch_invariant=self.config.model.batch_invariant,
         )
         if compile_options is not None:
             seconds = self.runner.warm_up()
@@ -187,11 +194,15 @@ class Worker:
     def _compile_options(self) -> CompileOptions | None:
         """The compile settings of this engine, or None when it runs eagerly. Compiled
         artefacts are cached on disk under the cluster cache folder unless inductor's own
-        `TORCHINDUCTOR_CACHE_DIR` says otherwise."""
+        `TORCHINDUCTOR_CACHE_DIR` says otherwise. A batch-invariant engine on CPU compiles
+        one graph for every token count, with one GEMM kernel family (no autotuning)."""
         if not self.config.compiles:
             return None
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), "inductor"))
-        return CompileOptions(self.config.compile.sizes, self.config.compile.autotune)
+        compile = self.config.compile
+        if self.config.model.batch_invariant and self.state.device.type == "cpu":
+            return CompileOptions(compile.sizes, autotune=False, dynamic=True)
+        return CompileOptions(compile.sizes, compile.autotune)
 
     def execute_model(self, payload: bytes) -> bytes | None:
         if self.runner is None:
