@@ -7,8 +7,11 @@ Three shapes per token count N:
 - verify: one sequence with N new tokens over that cached context (a verification step
   of N - 1 drafts).
 Every side of a row is timed interleaved (A, B, C, C, B, A, ...) and reported as a median.
-The roofline is the time to read every weight once at the read bandwidth measured in the
-same run (a BLAS matrix-vector product over a buffer the size of the weights).
+The roofline is the time to read every weight once (in the dtype run: `--dtype auto` is
+bfloat16 on CPUs with bfloat16 matrix units) at the read bandwidth measured in the same
+run (the faster of a matrix-vector product and a sum over a buffer the size of the
+weights). Eager runs with the engine's prepacked bfloat16 weights; compiled is the
+engine's batch-invariant graph (one for every token count).
 
     python benchmarks/forward.py [--model PATH] [--tokens 1 4 16 64] [--no-compile]
 """
@@ -30,6 +33,7 @@ from cluster.models.compiled import CompiledForward, CompileOptions
 from cluster.models.default_model import ensure_default_model
 from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
+from cluster.parallel.linear import pack_linears
 from cluster.worker.kv_cache import PagedKVCache
 from cluster.worker.worker import attention_layer_shapes
 
@@ -51,12 +55,13 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[s
 
 
 def read_bandwidth_gbs(num_bytes: int, device: str, repeats: int = 7) -> float:
-    """GB/s of a matrix-vector product over `num_bytes` of float32 (the streaming roofline)."""
+    """GB/s of streaming reads over a buffer of `num_bytes` (the faster of a float32
+    matrix-vector product and a plain sum: the memory roofline's bandwidth)."""
     cols = 4096
     matrix = torch.randn(num_bytes // 4 // cols, cols, device=device)
     vec = torch.randn(cols, device=device)
-    ms = interleaved_ms({"mv": lambda: torch.mv(matrix, vec)}, repeats)["mv"]
-    return num_bytes / ms / 1e6
+    ms = interleaved_ms({"mv": lambda: torch.mv(matrix, vec), "sum": matrix.sum}, repeats)
+    return num_bytes / min(ms.values()) / 1e6
 
 
 @torch.inference_mode()
@@ -66,7 +71,9 @@ def main() -> None:
     )
     parser.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
     parser.add_argument(
         "--context", type=int, default=64, help="cached tokens per sequence when decoding"
     )
@@ -78,6 +85,7 @@ def main() -> None:
     config = ModelConfig(path=path, dtype=args.dtype)
     device = config.resolved_device
     ours = load_model(config, ParallelState.single(device), show_progress=False)
+    pack_linears(ours)  # as the engine does (bfloat16 on CPU)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=config.torch_dtype).to(device).eval()
     cfg = ours.config
     vocab = cfg.vocab_size
@@ -91,14 +99,15 @@ def main() -> None:
 
     compiled = None
     if not args.no_compile:
-        compiled = CompiledForward(
-            eager, CompileOptions(tuple(sorted(set(args.tokens)))), torch.device(device), "forward"
-        )
+        # As a batch-invariant engine compiles on CPU: one graph for every token count.
+        options = CompileOptions(tuple(sorted(set(args.tokens))), autotune=False, dynamic=True)
+        compiled = CompiledForward(eager, options, torch.device(device), "forward")
         seconds = compiled.warm_up()
         print(f"compiled {len(args.tokens)} buckets in {seconds:.1f} s")
 
     print(
-        f"model={path} dtype={args.dtype} device={device} threads={torch.get_num_threads()} "
+        f"model={path} dtype={args.dtype} ({config.torch_dtype}) device={device} "
+        f"threads={torch.get_num_threads()} "
         f"weights={weight_bytes / 1e6:.0f} MB read bandwidth={bandwidth:.1f} GB/s "
         f"roofline={roofline_ms:.2f} ms\n"
     )

@@ -68,12 +68,13 @@ def main() -> None:
     parser.add_argument("--prompts", choices=["builtin", "heldout"], default="builtin")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=2, help="off, spec, spec, off per round")
     parser.add_argument("--spec-options", default="{}", help="JSON added to every method's spec")
     args = parser.parse_args()
 
     path = args.model or ensure_default_model()
-    print(f"compile={args.compile}")
+    print(f"compile={args.compile} dtype={args.dtype}")
     specs = write_all(tempfile.mkdtemp(prefix="random-heads-"), path, seed=0)
     for head in args.head:
         name = os.path.basename(os.path.normpath(head))
@@ -83,7 +84,7 @@ def main() -> None:
     if args.prompts == "heldout":
         questions = build_prompts()[1][: args.num_prompts]
     engine = dict(
-        dtype="float32", max_model_len=512, max_num_seqs=max(args.batches), compile=args.compile
+        dtype=args.dtype, max_model_len=512, max_num_seqs=max(args.batches), compile=args.compile
     )
     options = json.loads(args.spec_options)
     rows = []

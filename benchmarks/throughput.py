@@ -95,7 +95,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--batch-new-tokens", type=int, default=32)

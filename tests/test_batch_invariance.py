@@ -123,3 +123,27 @@ def test_greedy_speculation_equals_greedy_decoding_in_bfloat16(
     got = [o.outputs[0].token_ids for o in outs]
     wrong = [q for q, a, b in zip(QUESTIONS, got, batched, strict=True) if a != b]
     assert not wrong, f"{method}: {len(wrong)} of {len(QUESTIONS)} differ, e.g. {wrong[:2]}"
+
+
+@pytest.mark.slow
+def test_the_compiled_engine_is_batch_invariant_too(smollm2_path, baseline):
+    """One graph for every step (a symbolic token count): alone equals in a batch, and
+    n-gram speculation equals decoding, compiled."""
+    from cluster.models.compiled import CompiledForward
+
+    prompts, _ = baseline
+    prompts = prompts[:8]
+    outs = {}
+    for name, spec in (("off", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 3})):
+        with LLM(smollm2_path, speculative_config=spec, compile="on", **ENGINE) as llm:
+            target = llm.engine.core.executor.worker.runner.target_forward
+            assert isinstance(target, CompiledForward) and target.options.dynamic
+            outs[name] = [
+                o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)
+            ]
+            if spec is None:
+                for i in (1, 6):
+                    alone = llm.generate([prompts[i]], GREEDY, use_tqdm=False)[0]
+                    assert alone.outputs[0].token_ids == outs["off"][i], QUESTIONS[i]
+            assert target.ready and not target.failed
+    assert outs["ngram"] == outs["off"]

@@ -22,7 +22,7 @@ same two functions, and `write_kv` / `paged_attention` pick one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +102,18 @@ class BatchedGroup:
     out_rows: torch.Tensor  # [n * max_q] where each result goes (padding: num_tokens)
     key_slots: torch.Tensor  # [n * max_len] cache slot of each key (padding: a real one)
     mask: torch.Tensor  # [n, 1, max_q, max_len] keys each query may see
+    # The mask as float32 scores to add (0 or -inf) for `group_size` query heads per KV head,
+    # [n, 1, max_q * group_size, max_len], made by the first layer that asks (`score_bias`).
+    bias: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def score_bias(self, group_size: int) -> torch.Tensor:
+        if group_size not in self.bias:
+            n, _, max_q, max_len = self.mask.shape
+            visible = self.mask.view(n, 1, max_q, 1, max_len).expand(-1, -1, -1, group_size, -1)
+            bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+            bias.masked_fill_(~visible, -torch.inf)
+            self.bias[group_size] = bias.view(n, 1, max_q * group_size, max_len)
+        return self.bias[group_size]
 
 
 @dataclass
@@ -265,9 +277,8 @@ def _attend_group(
     q = queries.view(n, max_q, kv_heads, group_size, head_dim).permute(0, 2, 1, 3, 4)
     q = q.reshape(n, kv_heads, max_q * group_size, head_dim)
     keys = keys.view(n, max_len, kv_heads, head_dim).permute(0, 2, 3, 1)  # [n, kvh, d, len]
-    scores = torch.matmul(q, keys).float() * scale  # [n, kv_heads, max_q * G, max_len]
-    visible = group.mask.view(n, 1, max_q, 1, max_len).expand(-1, -1, -1, group_size, -1)
-    scores = scores.masked_fill(~visible.reshape(n, 1, max_q * group_size, max_len), -torch.inf)
+    scores = torch.matmul(q, keys)  # [n, kv_heads, max_q * G, max_len]
+    scores = group.score_bias(group_size).add(scores, alpha=scale)  # float32, masked: -inf
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     values = values.view(n, max_len, kv_heads, head_dim).transpose(1, 2)  # [n, kvh, len, d]
     out = torch.matmul(probs, values)  # [n, kv_heads, max_q * G, head_dim]
