@@ -194,6 +194,7 @@ def test_compiled_smollm2_with_speculation_equals_transformers(smollm2_path, met
         speculative_config=spec,
         compile="on",
         compile_sizes=(2, 8),
+        compile_autotune=False,  # oneDNN's packed products only (autotuning takes minutes)
         batch_invariant=False,  # per-bucket graphs (a batch-invariant engine compiles one)
     ) as llm:
         runner = llm.engine.core.executor.worker.runner
