@@ -103,7 +103,7 @@ def main() -> None:
         options = CompileOptions(tuple(sorted(set(args.tokens))), autotune=False, dynamic=True)
         compiled = CompiledForward(eager, options, torch.device(device), "forward")
         seconds = compiled.warm_up()
-        print(f"compiled {len(args.tokens)} buckets in {seconds:.1f} s")
+        print(f"compiled the forward (one graph for every token count) in {seconds:.1f} s")
 
     print(
         f"model={path} dtype={args.dtype} ({config.torch_dtype}) device={device} "

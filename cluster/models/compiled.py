@@ -1,4 +1,6 @@
-"""A compiled forward: one torch.compile graph per token-count bucket, eager elsewhere.
+"""A compiled forward: one torch.compile graph per token-count bucket, eager elsewhere;
+or (`CompileOptions.dynamic`, what a batch-invariant CPU engine uses) one graph whose
+token count is symbolic, for every step of 2 rows or more.
 
 A forward with `n` tokens runs the graph of the smallest bucket `>= n`, its inputs padded
 with zero rows and its outputs cut back to `n` rows; above the largest bucket (long
