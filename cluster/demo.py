@@ -85,8 +85,7 @@ def run_demo(
         for label, m in (("on", manifest), ("off", manifest.with_args(speculative=None))):
             compiling = os.environ.get("CLUSTER_COMPILE", "auto") != "off"
             note = (
-                " (the first start compiles the model for a few token counts: minutes on "
-                "2 cores, cached afterwards)"
+                " (each start compiles the model's forward: about a minute on 2 cores)"
                 if compiling
                 else ""
             )
