@@ -11,6 +11,18 @@ import torch
 
 NEAR_TIE = 1e-4
 
+# Chat questions the SmolLM2 tests share.
+CHAT_QUESTIONS = [
+    "Hi!",
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain how a bicycle works.",
+    "Repeat this: one two three, one two three, one two three.",
+    "List three fruits that are red.",
+    "What is 12 plus 30?",
+    "Describe the colour blue to someone who has never seen it, in two sentences.",
+]
+
 
 @torch.no_grad()
 def chat_ids(tokenizer, text: str) -> list[int]:

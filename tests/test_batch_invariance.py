@@ -11,19 +11,13 @@ the shipped EAGLE-3 head, an MTP head, a draft tree) equals greedy decoding toke
 import os
 
 import pytest
+from greedy_reference import CHAT_QUESTIONS, chat_ids
 
 from cluster import LLM, SamplingParams
 from cluster.spec_decode.random_heads import write_deepseek_mtp
 
 QUESTIONS = [
-    "Hi!",
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain how a bicycle works.",
-    "Repeat this: one two three, one two three, one two three.",
-    "List three fruits that are red.",
-    "What is 12 plus 30?",
-    "Describe the colour blue to someone who has never seen it, in two sentences.",
+    *CHAT_QUESTIONS,
     "Name a famous painting and its painter.",
     "Why is the sky blue?",
     "Give me a word that rhymes with cat.",
@@ -40,17 +34,7 @@ ENGINE = dict(dtype="bfloat16", max_model_len=192, max_num_seqs=16, num_kv_block
 
 def _chats(llm: LLM) -> list[dict]:
     tokenizer = llm.get_tokenizer()
-    return [
-        {
-            "prompt_token_ids": tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-        }
-        for q in QUESTIONS
-    ]
+    return [{"prompt_token_ids": chat_ids(tokenizer, q)} for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")

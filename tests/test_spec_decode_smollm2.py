@@ -8,23 +8,14 @@ tests/test_spec_decode.py).
 
 import pytest
 import torch
-from greedy_reference import assert_greedy_equal, hf_greedy
+from greedy_reference import CHAT_QUESTIONS, assert_greedy_equal, hf_greedy
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM, SamplingParams
 from cluster.spec_decode.random_heads import write_all
 
 NEW_TOKENS = 16
-QUESTIONS = [
-    "Hi!",
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain how a bicycle works.",
-    "Repeat this: one two three, one two three, one two three.",
-    "List three fruits that are red.",
-    "What is 12 plus 30?",
-    "Describe the colour blue to someone who has never seen it, in two sentences.",
-]
+QUESTIONS = CHAT_QUESTIONS
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 ENGINE = dict(dtype="float32", max_model_len=160, max_num_seqs=8, num_kv_blocks=128)
 
