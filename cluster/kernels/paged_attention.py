@@ -43,7 +43,7 @@ def write_kv_ref(
 
 
 # Every query row attends over a key count padded (with masked keys) to a multiple of this,
-# whatever else shares its step. CPU SDPA kernels sum the softmax over vector lanes with a
+# whatever else shares its step. CPU kernels sum a softmax row over vector lanes with a
 # scalar tail, so the rounding of a row depends on its key count modulo the vector width;
 # with aligned key counts, masked keys only add exact zeros, and a row's output is the same
 # alone, in a batch padded to a longer context, in a prefill chunk or in a whole prompt.
