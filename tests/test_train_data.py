@@ -83,7 +83,8 @@ def test_a_large_vocabulary_is_stored_without_wrapping(tmp_path):
 
 def test_train_draft_stores_answers_with_follow_ups_and_resumes(tmp_path, smollm2_path):
     """The whole pipeline on a tiny target: first-turn answers, then follow-up turns after
-    the target's own answers, features, a head; a rerun generates nothing again."""
+    the target's own answers, features, a head; a rerun generates nothing again, and its
+    training (`resume=True`) finds the run complete."""
     from tiny_models import make_tiny_chat_model
 
     from cluster.train.loop import TrainConfig
@@ -107,7 +108,11 @@ def test_train_draft_stores_answers_with_follow_ups_and_resumes(tmp_path, smollm
     # a follow-up's prompt holds a first turn and its answer, so it is longer than both
     assert min(s.answer_start for s in follow.read()) > min(len(s.token_ids) for s in first)
     parts = sorted(p.name for p in answers.rglob("part_*.npz"))
-    again = train_draft(target, str(tmp_path / "head"), str(tmp_path / "work"), **run)
+    with pytest.raises(ValueError, match="--resume"):
+        train_draft(target, str(tmp_path / "head"), str(tmp_path / "work"), **run)
+    again = train_draft(target, str(tmp_path / "head"), str(tmp_path / "work"), **run, resume=True)
+    assert again["history"] == recipe["history"]
+    assert set(again["stage_seconds"]) == {"answers", "features", "train"}
     assert sorted(p.name for p in answers.rglob("part_*.npz")) == parts
     assert again["train_answer_tokens"] == recipe["train_answer_tokens"]
 
@@ -135,6 +140,12 @@ def test_features_recorded_while_answering_equal_a_second_forward(tmp_path, smol
         for r, c in zip(recorded, computed, strict=True):
             assert r["features"].shape == c["features"].shape
             assert not r["features"][-1].any()  # the last token is never fed back
-            torch.testing.assert_close(
-                r["features"][:-1].float(), c["features"][:-1].float(), atol=2e-3, rtol=2e-3
-            )
+            assert r["features"].dtype == c["features"].dtype
+            got, want = r["features"][:-1].float(), c["features"][:-1].float()
+            if r["features"].dtype == torch.bfloat16:
+                # decode steps and one prefill round differently in bfloat16: each row
+                # within 2% of its norm (a row of another position is ~100% off)
+                error = (got - want).norm(dim=-1) / want.norm(dim=-1)
+                assert error.max() < 2e-2, error.max()
+            else:
+                torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)

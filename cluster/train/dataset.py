@@ -22,6 +22,7 @@ from cluster.models.attention import AttentionMetadata, attention_context
 from cluster.models.eagle3 import eagle3_aux_layers
 from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
+from cluster.parallel.linear import pack_linears
 from cluster.train.answer_store import AnswerStore, Sample, chat_key
 from cluster.train.feature_store import has_part, write_part
 from cluster.train.prompts import Chat, follow_up_chats
@@ -44,6 +45,7 @@ def generate_answers(
     feature_dirs: tuple[str, str] | None = None,
     max_num_seqs: int = 256,
     chunk: int = 1024,
+    dtype: str = "auto",
 ) -> list[Sample]:
     """Greedy answers of the target to `chats`, in order, stored a chunk at a time in the
     compact `AnswerStore` at `store_dir`: a rerun resumes after the last stored chunk.
@@ -63,9 +65,9 @@ def generate_answers(
         from cluster.train.recorder import FeatureRecorder
 
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
-        hf = ModelConfig(path=target_path, dtype="float32").hf_config
+        hf = ModelConfig(path=target_path).hf_config
         engine: dict = dict(
-            dtype="float32",
+            dtype=dtype,
             max_model_len=min(2048, int(hf.max_position_embeddings)),
             max_num_seqs=max_num_seqs,
             cpu_kv_cache_gib=4.0,
@@ -161,10 +163,11 @@ def cache_features(
     aux_layers: tuple[int, ...],
     out_dir: str,
     max_batch_tokens: int = 2048,
+    dtype: str = "auto",
 ) -> str:
     """Feature parts (`feature_store`) for every part of the answer store at `store_dir`
-    that has none yet: [len, len(aux_layers) * hidden] float16 per sample, or [len, hidden]
-    final hidden states when `aux_layers` is empty. Returns `out_dir`."""
+    that has none yet: [len, len(aux_layers) * hidden] per sample, or [len, hidden] final
+    hidden states when `aux_layers` is empty, in the model's `dtype`. Returns `out_dir`."""
     store = AnswerStore(store_dir)
     model = None
     for index in tqdm(range(store.num_parts), desc="Caching features"):
@@ -173,10 +176,11 @@ def cache_features(
             continue
         if model is None:
             model = load_model(
-                ModelConfig(path=target_path, dtype="float32"),
-                ParallelState.single(),
-                show_progress=False,
+                ModelConfig(path=target_path, dtype=dtype), ParallelState.single(), False
             )
+            pack_linears(model)
+            if aux_layers and hasattr(model.model, "end_layer"):  # later layers add nothing
+                model.model.end_layer = max(aux_layers) + 1
         rows = [
             f
             for group in _groups(samples, max_batch_tokens)
@@ -203,13 +207,13 @@ def aux_states(
     model: torch.nn.Module, group: list[Sample], aux_layers: tuple[int, ...]
 ) -> list[torch.Tensor]:
     """Per sample, [len, len(aux_layers) * hidden] (no `aux_layers`: the final hidden
-    state [len, hidden]) float16 from one flattened forward."""
+    state [len, hidden]) in the model's dtype, from one flattened forward."""
     lens = [len(s.token_ids) for s in group]
     ids = torch.tensor([t for s in group for t in s.token_ids])
     meta = AttentionMetadata.for_prefill(lens)
     with attention_context(meta):
         out = model(ids, meta.positions, aux_layers)
     if not aux_layers:
-        return list(out.half().split(lens))
+        return list(out.split(lens))
     _, aux = out
-    return list(torch.cat(aux, dim=-1).half().split(lens))
+    return list(torch.cat(aux, dim=-1).split(lens))

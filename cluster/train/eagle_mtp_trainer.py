@@ -78,6 +78,7 @@ def train_chain_head(
     out_dir: str,
     config: TrainConfig,
     checkpoint_dir: str | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Train an EAGLE-1 head (`method="eagle"`) or an MTP module (`"mtp"`) on cached final
     hidden states and export it to `out_dir`."""
@@ -95,7 +96,7 @@ def train_chain_head(
         raise ValueError(f"unknown method {method!r}")
     os.makedirs(out_dir, exist_ok=True)
     checkpoint = os.path.join(checkpoint_dir or out_dir, f"train_state_{method}.pt")
-    history = fit(model, step, train, evals, None, config, checkpoint)
+    history = fit(model, step, train, evals, None, config, checkpoint, resume)
     export = export_eagle if isinstance(model, EagleTrainable) else export_mtp
     export(model, target_config, out_dir)
     return {"history": history}

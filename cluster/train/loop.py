@@ -2,10 +2,13 @@
 
 `fit` runs epochs of AdamW (cosine schedule with warm-up, gradient clipping at 1) over
 length-sorted, shuffled batches, shows the loss and each TTT step's accuracy in a progress
-bar, measures held-out accuracy after every epoch, and checkpoints after every epoch
-(resuming from the last one). The head-specific part is a `StepFn`: a batch -> (loss,
-`StepCounts`). Deterministic given the seed (the caller seeds torch before building the
-model).
+bar and measures held-out accuracy after every epoch. Forwards run under bfloat16
+autocast where the device computes bfloat16 products in hardware (`TrainConfig.precision`),
+with float32 master weights and optimiser state. A checkpoint is written every
+`checkpoint_every` steps and after every epoch; `resume=True` continues a stopped run from
+its last checkpoint, mid-epoch included, on the same batches in the same order. The
+head-specific part is a `StepFn`: a batch -> (loss, `StepCounts`). Deterministic given the
+seed (the caller seeds torch before building the model).
 
 Held-out figures are what greedy drafting would get on the same tokens: a label the draft
 vocabulary lacks counts as a miss (`OUT_OF_VOCAB`), and the acceptance length is the mean
@@ -15,18 +18,20 @@ over rows of 1 + the number of leading TTT steps that are right (a chain of k =
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from cluster.dtypes import cpu_has_bf16_matmul
 from cluster.train.feature_store import load_shards
 from cluster.train.ttt import row_window
 
@@ -63,12 +68,40 @@ class TrainConfig:
     regression_weight: float = 1.0  # EAGLE-1: smooth-L1 feature regression
     token_weight: float = 0.1  # EAGLE-1: token cross-entropy
     device: str = "auto"  # "auto": CUDA when available, else the CPU
+    precision: str = "auto"  # "bfloat16" autocast, "float32", or "auto": bfloat16 where
+    # the device computes it in hardware (CUDA; CPUs with AVX-512 BF16, AMX or Arm BF16)
+    checkpoint_every: int = 200  # optimiser steps between checkpoints (and every epoch end)
+
+    # settings a resumed run may change: they do not change what is computed
+    RESUMABLE_CHANGES = ("eval_every_tokens", "checkpoint_every", "device")
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"precision must be auto, bfloat16 or float32, not {self.precision!r}")
 
     @property
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def autocast_bf16(self) -> bool:
+        if self.precision != "auto":
+            return self.precision == "bfloat16"
+        if self.torch_device.type == "cuda":
+            return torch.cuda.is_bf16_supported()
+        return cpu_has_bf16_matmul()
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's precision context (bfloat16 autocast, or nothing)."""
+        if not self.autocast_bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.torch_device.type, dtype=torch.bfloat16)
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint must agree on to be resumed under this config."""
+        return {k: v for k, v in asdict(self).items() if k not in self.RESUMABLE_CHANGES}
 
 
 @dataclass
@@ -206,7 +239,8 @@ def evaluate(
     counts = StepCounts([0] * config.ttt_steps, [0] * config.ttt_steps, [0] * config.ttt_steps)
     for index in make_batches(sequences, config.batch_tokens, random.Random(0)):
         batch = collate(sequences, index, label_map, config.ttt_steps)
-        counts = counts + step_fn(batch.to(config.torch_device))[1]
+        with config.autocast():
+            counts = counts + step_fn(batch.to(config.torch_device))[1]
     model.train()
     return {
         "held_out_accuracy": counts.accuracy,
@@ -222,9 +256,12 @@ def fit(
     label_map: torch.Tensor | None,
     config: TrainConfig,
     checkpoint: str,
+    resume: bool = False,
 ) -> list[dict[str, Any]]:
-    """Train `model` for the epochs not yet in `checkpoint`; the history of those epochs.
-    The model and every batch go to `config.torch_device`."""
+    """Train `model` for `config.epochs`; the history of every epoch (those of an earlier,
+    resumed run included). An existing `checkpoint` is continued with `resume=True` (a
+    ValueError if its settings differ) and refused without it. The model and every batch go
+    to `config.torch_device`."""
     model.to(config.torch_device)
     rng = random.Random(config.seed)
     optimizer = torch.optim.AdamW(
@@ -242,68 +279,118 @@ def fit(
         ),
     )
     os.makedirs(os.path.dirname(os.path.abspath(checkpoint)), exist_ok=True)
-    start_epoch = 0
+    progress = _Progress(0, 0, rng.getstate(), next_eval=config.eval_every_tokens)
     if os.path.isfile(checkpoint):
-        state = torch.load(checkpoint, map_location=config.torch_device)
+        if not resume:
+            raise ValueError(
+                f"{checkpoint} holds a stopped run: pass --resume to continue it, or remove it"
+            )
+        state = torch.load(checkpoint, map_location=config.torch_device, weights_only=False)
+        if state["config"] != config.identity():
+            raise ValueError(
+                f"{checkpoint} was made with {state['config']}, not {config.identity()}; "
+                "resume with the same settings or remove it"
+            )
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
-        start_epoch = state["epoch"] + 1
-        rng.setstate(state["rng"])
-    history = []
-    seen = 0  # answer tokens trained on in this run (step 0's labels)
-    for epoch in range(start_epoch, config.epochs):
+        progress = state["progress"]
+        print(f"resuming {checkpoint}: epoch {progress.epoch + 1}, batch {progress.next_batch}")
+
+    def save() -> None:
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "schedule": schedule.state_dict(),
+            "progress": progress,
+            "config": config.identity(),
+        }
+        torch.save(state, checkpoint + ".tmp")
+        os.replace(checkpoint + ".tmp", checkpoint)
+
+    while progress.epoch < config.epochs:
+        rng.setstate(progress.epoch_rng)
+        batches = make_batches(train, config.batch_tokens, rng)
         bar = tqdm(
-            make_batches(train, config.batch_tokens, rng), desc=f"epoch {epoch + 1}/{config.epochs}"
+            batches[progress.next_batch :],
+            desc=f"epoch {progress.epoch + 1}/{config.epochs}",
+            initial=progress.next_batch,
+            total=len(batches),
         )
-        losses, curve, train_seconds, epoch_tokens = [], [], 0.0, 0
-        next_eval = seen + config.eval_every_tokens
         for index in bar:
             started = time.perf_counter()
             batch = collate(train, index, label_map, config.ttt_steps)
-            loss, counts = step_fn(batch.to(config.torch_device))
+            with config.autocast():
+                loss, counts = step_fn(batch.to(config.torch_device))
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             schedule.step()
-            losses.append(loss.item())
-            train_seconds += time.perf_counter() - started
-            seen, epoch_tokens = seen + counts.totals[0], epoch_tokens + counts.totals[0]
-            accuracy = "/".join(f"{a:.2f}" for a in counts.accuracy)
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc=accuracy)
-            if config.eval_every_tokens and evals and seen >= next_eval:
-                next_eval = seen + config.eval_every_tokens
+            progress.add_step(loss.item(), counts.totals[0], time.perf_counter() - started)
+            bar.set_postfix(
+                loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in counts.accuracy)
+            )
+            if config.eval_every_tokens and evals and progress.seen >= progress.next_eval:
+                progress.next_eval = progress.seen + config.eval_every_tokens
                 held_out = evaluate(model, step_fn, evals, label_map, config)
-                curve.append({"answer_tokens_seen": seen, **held_out})
+                progress.curve.append({"answer_tokens_seen": progress.seen, **held_out})
+            if progress.next_batch % config.checkpoint_every == 0:
+                save()
         held_out = (
             evaluate(model, step_fn, evals, label_map, config)
             if evals
             else {"held_out_accuracy": [], "held_out_acceptance_length": None}
         )
-        history.append(
-            {
-                "epoch": epoch + 1,
-                "train_loss": sum(losses) / len(losses),
-                **held_out,
-                "answer_tokens_seen": seen,
-                "answer_tokens_per_s": round(epoch_tokens / max(train_seconds, 1e-9)),
-                **({"curve": curve} if curve else {}),
-            }
-        )
+        progress.end_epoch(held_out, rng.getstate())
         print(
-            f"epoch {epoch + 1}: held-out accuracy per step "
+            f"epoch {progress.epoch}: held-out accuracy per step "
             f"{[round(a, 3) for a in held_out['held_out_accuracy']]}, acceptance length "
             f"{held_out['held_out_acceptance_length']}"
         )
-        torch.save(
+        save()
+    return progress.history
+
+
+@dataclass
+class _Progress:
+    """Where a run stands (saved in its checkpoints): the epoch and batch to run next, the
+    rng state its batch order is drawn from, and the figures so far."""
+
+    epoch: int
+    next_batch: int
+    epoch_rng: Any
+    seen: int = 0  # answer tokens trained on (step 0's labels), all epochs
+    next_eval: int = 0
+    loss_sum: float = 0.0
+    epoch_tokens: int = 0
+    train_seconds: float = 0.0
+    curve: list | None = None
+    history: list | None = None
+
+    def __post_init__(self) -> None:
+        self.curve = self.curve or []
+        self.history = self.history or []
+
+    def add_step(self, loss: float, tokens: int, seconds: float) -> None:
+        self.next_batch += 1
+        self.loss_sum += loss
+        self.seen += tokens
+        self.epoch_tokens += tokens
+        self.train_seconds += seconds
+
+    def end_epoch(self, held_out: dict[str, Any], next_rng: Any) -> None:
+        assert self.history is not None
+        self.history.append(
             {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "schedule": schedule.state_dict(),
-                "epoch": epoch,
-                "rng": rng.getstate(),
-            },
-            checkpoint,
+                "epoch": self.epoch + 1,
+                "train_loss": self.loss_sum / max(1, self.next_batch),
+                **held_out,
+                "answer_tokens_seen": self.seen,
+                "answer_tokens_per_s": round(self.epoch_tokens / max(self.train_seconds, 1e-9)),
+                "train_seconds": round(self.train_seconds),
+                **({"curve": self.curve} if self.curve else {}),
+            }
         )
-    return history
+        self.epoch, self.next_batch, self.epoch_rng = self.epoch + 1, 0, next_rng
+        self.loss_sum, self.epoch_tokens, self.train_seconds, self.curve = 0.0, 0, 0.0, []

@@ -1,6 +1,8 @@
 """`cluster train-draft`: prompts -> the target's answers -> cached features -> a trained head.
 
-Every stage caches its result under `--work-dir`, so a rerun resumes where it stopped.
+Every stage caches its result under `--work-dir`, so a rerun resumes where it stopped:
+answers and features part by part, training from its last checkpoint with `--resume`.
+Each stage's wall time, summed over the runs that made the head, goes to `recipe.json`.
 `--method` picks the head: EAGLE-3 (default; features: three aux residual streams),
 EAGLE-1 or DeepSeek-style MTP (features: the target's final hidden states).
 """
@@ -8,9 +10,11 @@ EAGLE-1 or DeepSeek-style MTP (features: the target's final hidden states).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -37,6 +41,7 @@ def train_draft(
     follow_up_fraction: float = 0.2,
     record_features: bool = True,
     data_only: bool = False,
+    resume: bool = False,
 ) -> dict:
     from safetensors import safe_open
 
@@ -54,48 +59,41 @@ def train_draft(
     eval_chats = eval_chats[:num_eval_prompts]
     answers_dir = answers_dir or os.path.join(work_dir, "answers")
     os.makedirs(work_dir, exist_ok=True)
-    started = time.time()
+    timings = _StageTimes(os.path.join(work_dir, "stage_seconds.json"))
     dirs, counts = {}, {}
     for split, chats in (("train", train_chats), ("eval", eval_chats)):
-        stores = answer_with_follow_ups(
-            target, chats, max_tokens, answers_dir, split, follow_up_fraction, config.seed,
-            record_in=work_dir if record_features else None,
-        )  # fmt: skip
+        with timings.stage("answers"):
+            stores = answer_with_follow_ups(
+                target, chats, max_tokens, answers_dir, split, follow_up_fraction, config.seed,
+                record_in=work_dir if record_features else None,
+            )  # fmt: skip
         dirs[split] = []
         for store in stores:
             feature_dir = feature_dirs(work_dir, store)[0 if method == "eagle3" else 1]
-            cache_features(target, os.path.join(answers_dir, store), aux, feature_dir)
+            with timings.stage("features"):
+                cache_features(target, os.path.join(answers_dir, store), aux, feature_dir)
             dirs[split].append(feature_dir)
         samples = [s for d in dirs[split] for s in load_shards(d)]
         counts[split] = (
             len(samples),
             sum(len(s["token_ids"]) - s["answer_start"] for s in samples),
         )
-    data_seconds = time.time() - started
     if data_only:
-        return {"data_seconds": round(data_seconds), "prompts_and_answer_tokens": counts}
+        return {"stage_seconds": timings.seconds, "prompts_and_answer_tokens": counts}
     with safe_open(os.path.join(target, "model.safetensors"), framework="pt") as f:
         embed = f.get_tensor("model.embed_tokens.weight").float()
         head = f.get_tensor("lm_head.weight").float() if "lm_head.weight" in f.keys() else embed  # noqa: SIM118
         final_norm = f.get_tensor("model.norm.weight").float()
-    started = time.time()
-    if method == "eagle3":
-        result = train_eagle3(
-            hf, embed, head, dirs["train"], dirs["eval"], out_dir, config, checkpoint_dir=work_dir
-        )
-    else:
-        result = train_chain_head(
-            method,
-            hf,
-            embed,
-            head,
-            final_norm,
-            dirs["train"],
-            dirs["eval"],
-            out_dir,
-            config,
-            checkpoint_dir=work_dir,
-        )
+    with timings.stage("train"):
+        if method == "eagle3":
+            result = train_eagle3(
+                hf, embed, head, dirs["train"], dirs["eval"], out_dir, config, work_dir, resume
+            )
+        else:
+            result = train_chain_head(
+                method, hf, embed, head, final_norm, dirs["train"], dirs["eval"], out_dir,
+                config, work_dir, resume,
+            )  # fmt: skip
     recipe = {
         "method": method,
         "target": os.path.basename(os.path.normpath(target)),
@@ -105,13 +103,36 @@ def train_draft(
         "eval_answer_tokens": counts["eval"][1],
         "max_tokens": max_tokens,
         "config": config.__dict__,
-        "data_seconds": round(data_seconds),
-        "train_seconds": round(time.time() - started),
+        "precision": "bfloat16 autocast" if config.autocast_bf16 else "float32",
+        "stage_seconds": timings.seconds,
         **result,
     }
     with open(os.path.join(out_dir, "recipe.json"), "w") as f:
         json.dump(recipe, f, indent=2)
     return recipe
+
+
+class _StageTimes:
+    """Wall seconds per stage, summed over every run that shares a work dir (kept in
+    `path`), so a run stopped and resumed still reports what the whole head cost."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.seconds: dict[str, int] = {}
+        if os.path.isfile(path):
+            with open(path) as f:
+                self.seconds = json.load(f)
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        started = time.time()
+        try:
+            yield
+        finally:
+            spent = round(time.time() - started)
+            self.seconds[name] = self.seconds.get(name, 0) + spent
+            with open(self.path, "w") as f:
+                json.dump(self.seconds, f)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -180,6 +201,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the stopped training run whose checkpoint is in --work-dir",
+    )
+    parser.add_argument(
+        "--precision",
+        default=TrainConfig.precision,
+        choices=("auto", "bfloat16", "float32"),
+        help="auto: bfloat16 autocast (float32 master weights) where the device has "
+        "bfloat16 matrix instructions, else float32",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=TrainConfig.checkpoint_every, help="steps"
+    )
+    parser.add_argument(
         "--device", default="auto", help="where the head trains: auto (CUDA if any), cpu, cuda"
     )
     parser.add_argument("--threads", type=int, default=None)
@@ -202,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
         freeze_lm_head=args.freeze_lm_head,
         compile=args.compile,
         eval_every_tokens=args.eval_every_tokens,
+        precision=args.precision,
+        checkpoint_every=args.checkpoint_every,
     )
     print(
         json.dumps(
@@ -217,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.num_eval_prompts,
                 args.follow_up_fraction,
                 data_only=args.data_only,
+                resume=args.resume,
             ),
             indent=2,
         )

@@ -4,8 +4,8 @@ The target computes, for every token it processes, exactly what a draft head is 
 inference: the residual streams entering the EAGLE-3 layers and the final hidden state
 (after the final norm; EAGLE-1 and MTP). `FeatureRecorder` hooks an in-process, eager
 engine (`LLM(..., compile="off", enable_prefix_caching=False)`: a compiled graph or a
-prefix-cache hit would skip the hooks) and keeps those rows per request and position as
-float16. A sequence's last token is never fed back, so its row stays zero; no training
+prefix-cache hit would skip the hooks) and keeps those rows per request and position in
+the engine's dtype. A sequence's last token is never fed back, so its row stays zero; no training
 row reads it (its label would lie past the end).
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from cluster.engine.messages import SchedulerOutput
@@ -29,7 +28,7 @@ class FeatureRecorder:
             raise ValueError("recording needs enable_prefix_caching=False (hits skip the forward)")
         self.aux_layers = aux_layers
         self.hidden_size = int(llm.config.model.hf_config.hidden_size)
-        self._rows: dict[str, dict[int, np.ndarray]] = {}  # req_id -> position -> [F]
+        self._rows: dict[str, dict[int, torch.Tensor]] = {}  # req_id -> position -> [F]
         self._step: list[tuple[str, int, int]] = []  # (req_id, first position, num rows)
         self._aux: dict[int, torch.Tensor] = {}
         layers = runner.model.model.layers
@@ -56,7 +55,7 @@ class FeatureRecorder:
     def _final_hook(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
         hidden = out[0] if isinstance(out, tuple) else out  # [num_tokens, hidden]
         rows = torch.cat([*(self._aux[i] for i in self.aux_layers), hidden], dim=-1)
-        rows = rows.half().numpy()  # [num_tokens, (len(aux) + 1) * hidden]
+        rows = rows.clone()  # [num_tokens, (len(aux) + 1) * hidden]
         start = 0
         for req_id, first, count in self._step:
             per_position = self._rows.setdefault(req_id, {})
@@ -65,16 +64,17 @@ class FeatureRecorder:
             start += count
         self._aux.clear()
 
-    def take(self, req_id: str, length: int) -> tuple[np.ndarray, np.ndarray]:
+    def take(self, req_id: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux features [length, len(aux) * hidden], final hidden [length, hidden]) of a
-        finished request, float16, and forget it. Raises if any position but the last
+        finished request, in the engine's dtype, and forget it. Raises if any position but the last
         was not recorded."""
         per_position = self._rows.pop(req_id, {})
         missing = [p for p in range(length - 1) if p not in per_position]
         if missing:
             raise ValueError(f"request {req_id}: positions {missing[:5]}... were not recorded")
         width = (len(self.aux_layers) + 1) * self.hidden_size
-        rows = np.zeros((length, width), dtype=np.float16)
+        dtype = next(iter(per_position.values())).dtype if per_position else torch.float32
+        rows = torch.zeros(length, width, dtype=dtype)
         for position, row in per_position.items():
             if position < length:
                 rows[position] = row

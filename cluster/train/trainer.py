@@ -5,8 +5,7 @@ draft id i to target id i + d2t[i]; `t2d` marks target ids in the draft vocabula
 Loss: cross-entropy of every TTT step's logits against the target's own next tokens (the
 data are the target's greedy answers), weighted 0.8^step; positions whose label lies
 outside the draft vocabulary or the answer have no loss (the former count as misses in
-the accuracy). Deterministic given the seed;
-checkpoints every epoch and resumes from the last one.
+the accuracy). Deterministic given the seed; checkpoints and resumes as `fit` does.
 """
 
 from __future__ import annotations
@@ -97,6 +96,7 @@ def train_eagle3(
     out_dir: str,
     config: TrainConfig,
     checkpoint_dir: str | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     torch.manual_seed(config.seed)
     train = load_shards(train_dir)
@@ -119,6 +119,7 @@ def train_eagle3(
         draft_classes(d2t, vocab),
         config,
         checkpoint,
+        resume,
     )
     export_eagle3(model, target_config, d2t, t2d, out_dir)
     return {"history": history, "draft_vocab_size": len(d2t)}
