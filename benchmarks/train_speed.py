@@ -6,7 +6,9 @@ interleaved in one process: answer tokens (the labelled ones) trained per second
 - `labelled rows`: prompt rows give step-0 keys only, every step runs on the rows that
   have a label (`Batch.window`);
 - `+ frozen LM head`: the head's LM-head rows stay the target's (no weight gradient);
-- `+ compiled`: the step's forward under `torch.compile` (dynamic shapes).
+- `+ compiled`: the step's forward under `torch.compile` (dynamic shapes);
+- `+ bf16`: the forward under bfloat16 autocast, float32 master weights (what
+  `train-draft` does where the CPU has bfloat16 matrix instructions).
 
 Each round runs every variant on the same batches (forward then reverse order: A, B, B,
 A); the table gives medians and the ratio to `all rows`.
@@ -41,14 +43,16 @@ def build(variant: str, hf, embed, head, d2t, config):
     runner = torch.compile(model, dynamic=True) if "compiled" in variant else model
     step = eagle3_step(runner, config, window=variant != "all rows")
     params = [p for p in model.parameters() if p.requires_grad]
-    return model, step, torch.optim.AdamW(params, lr=1e-3)
+    precision = "bfloat16" if "bf16" in variant else "float32"
+    return model, step, torch.optim.AdamW(params, lr=1e-3), TrainConfig(precision=precision)
 
 
-def run(model, step, optimizer, batches) -> tuple[float, int]:
+def run(model, step, optimizer, config, batches) -> tuple[float, int]:
     """Seconds and answer tokens (step 0's labels) of one pass over `batches`."""
     tokens, started = 0, time.perf_counter()
     for batch in batches:
-        loss, counts = step(batch)
+        with config.autocast():
+            loss, counts = step(batch)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -57,10 +61,10 @@ def run(model, step, optimizer, batches) -> tuple[float, int]:
     return time.perf_counter() - started, tokens
 
 
-def gemm_rate(rows: int = 4096) -> float:
-    """fp32 GFLOP/s of a [rows, 576] x [576, 1536] matmul, the head's MLP shape: the
-    roofline a CPU training step cannot beat."""
-    a, w = torch.randn(rows, 576), torch.randn(1536, 576)
+def gemm_rate(dtype: torch.dtype, rows: int = 4096) -> float:
+    """GFLOP/s of a [rows, 576] x [576, 1536] matmul, the head's MLP shape: the roofline
+    a CPU training step cannot beat."""
+    a, w = torch.randn(rows, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
     for _ in range(3):
         torch.nn.functional.linear(a, w)
     started, n = time.perf_counter(), 20
@@ -100,6 +104,8 @@ def main() -> None:
         "labelled rows",
         "labelled rows + frozen LM head",
         "labelled rows + frozen LM head + compiled",
+        "labelled rows + compiled",
+        "labelled rows + compiled + bf16",
     ]
     built = {v: build(v, hf, embed, head, d2t, config) for v in variants}
     for v in variants:  # warm-up (and compile) outside the timings
@@ -110,7 +116,9 @@ def main() -> None:
             seconds, tokens = run(*built[v], batches)
             rates[v].append(tokens / seconds)
             print(f"round {r + 1} {v}: {tokens / seconds:.0f} answer tok/s", flush=True)
-    print(f"\nfp32 GEMM roofline (the MLP's shape, 4096 rows): {gemm_rate():.0f} GFLOP/s")
+    for dtype in (torch.float32, torch.bfloat16):
+        rate = gemm_rate(dtype)
+        print(f"{dtype} GEMM (the MLP's shape, 4096 rows): {rate:.0f} GFLOP/s")
     base = statistics.median(rates[variants[0]])
     print("\n| variant | answer tokens/s (median) | vs all rows |\n|---|---:|---:|")
     for v in variants:

@@ -175,9 +175,8 @@ def cache_features(
         if has_part(out_dir, index, samples):
             continue
         if model is None:
-            model = load_model(
-                ModelConfig(path=target_path, dtype=dtype), ParallelState.single(), False
-            )
+            config = ModelConfig(path=target_path, dtype=dtype)
+            model = load_model(config, ParallelState.single(config.resolved_device), False)
             pack_linears(model)
             if aux_layers and hasattr(model.model, "end_layer"):  # later layers add nothing
                 model.model.end_layer = max(aux_layers) + 1
@@ -208,12 +207,11 @@ def aux_states(
 ) -> list[torch.Tensor]:
     """Per sample, [len, len(aux_layers) * hidden] (no `aux_layers`: the final hidden
     state [len, hidden]) in the model's dtype, from one flattened forward."""
+    device = next(model.parameters()).device
     lens = [len(s.token_ids) for s in group]
-    ids = torch.tensor([t for s in group for t in s.token_ids])
-    meta = AttentionMetadata.for_prefill(lens)
+    ids = torch.tensor([t for s in group for t in s.token_ids], device=device)
+    meta = AttentionMetadata.for_prefill(lens, device)
     with attention_context(meta):
         out = model(ids, meta.positions, aux_layers)
-    if not aux_layers:
-        return list(out.split(lens))
-    _, aux = out
-    return list(torch.cat(aux, dim=-1).split(lens))
+    rows = out if not aux_layers else torch.cat(out[1], dim=-1)
+    return list(rows.cpu().split(lens))

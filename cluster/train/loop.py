@@ -168,7 +168,13 @@ class StepCounts:
     @property
     def acceptance_length(self) -> float:
         """1 + the mean number of leading right steps, over rows labelled at step 0."""
-        return 1 + sum(self.chain_hits) / max(1, self.totals[0])
+        return self.acceptance_lengths[-1]
+
+    @property
+    def acceptance_lengths(self) -> list[float]:
+        """The acceptance length of chains of k = 1, 2, ... drafts."""
+        hits = [sum(self.chain_hits[:k]) for k in range(1, len(self.chain_hits) + 1)]
+        return [1 + h / max(1, self.totals[0]) for h in hits]
 
 
 def loss_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -234,7 +240,7 @@ def evaluate(
     config: TrainConfig,
 ) -> dict[str, Any]:
     """Held-out top-1 accuracy of each TTT step (given the true earlier tokens) and the
-    acceptance length of greedy chains of `ttt_steps` drafts."""
+    acceptance length of greedy chains of `ttt_steps` drafts (and of 1, 2, ... drafts)."""
     model.eval()
     counts = StepCounts([0] * config.ttt_steps, [0] * config.ttt_steps, [0] * config.ttt_steps)
     for index in make_batches(sequences, config.batch_tokens, random.Random(0)):
@@ -245,6 +251,7 @@ def evaluate(
     return {
         "held_out_accuracy": counts.accuracy,
         "held_out_acceptance_length": counts.acceptance_length,
+        "held_out_acceptance_by_k": counts.acceptance_lengths,
     }
 
 

@@ -1,7 +1,8 @@
 """`cluster train-draft`: prompts -> the target's answers -> cached features -> a trained head.
 
 Every stage caches its result under `--work-dir`, so a rerun resumes where it stopped:
-answers and features part by part, training from its last checkpoint with `--resume`.
+answers and features part by part (shared by every head trained from that work dir),
+training from its last checkpoint with `--resume` (one per `--out`, under `runs/`).
 Each stage's wall time, summed over the runs that made the head, goes to `recipe.json`.
 `--method` picks the head: EAGLE-3 (default; features: three aux residual streams),
 EAGLE-1 or DeepSeek-style MTP (features: the target's final hidden states).
@@ -59,7 +60,12 @@ def train_draft(
     eval_chats = eval_chats[:num_eval_prompts]
     answers_dir = answers_dir or os.path.join(work_dir, "answers")
     os.makedirs(work_dir, exist_ok=True)
-    timings = _StageTimes(os.path.join(work_dir, "stage_seconds.json"))
+    # this head's checkpoints and stage times (other heads may share the work dir's data)
+    run_dir = os.path.join(
+        work_dir, "runs", os.path.abspath(out_dir).strip(os.sep).replace(os.sep, "_")
+    )
+    os.makedirs(run_dir, exist_ok=True)
+    timings = _StageTimes(os.path.join(run_dir, "stage_seconds.json"))
     dirs, counts = {}, {}
     for split, chats in (("train", train_chats), ("eval", eval_chats)):
         with timings.stage("answers"):
@@ -87,12 +93,12 @@ def train_draft(
     with timings.stage("train"):
         if method == "eagle3":
             result = train_eagle3(
-                hf, embed, head, dirs["train"], dirs["eval"], out_dir, config, work_dir, resume
+                hf, embed, head, dirs["train"], dirs["eval"], out_dir, config, run_dir, resume
             )
         else:
             result = train_chain_head(
                 method, hf, embed, head, final_norm, dirs["train"], dirs["eval"], out_dir,
-                config, work_dir, resume,
+                config, run_dir, resume,
             )  # fmt: skip
     recipe = {
         "method": method,
