@@ -11,6 +11,7 @@ read). A checkpoint with an `fc` over [embedding, hidden] is EAGLE-1, whatever i
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 from functools import cached_property
@@ -62,6 +63,42 @@ _METHOD_OF_KIND: dict[str, str] = {
 
 
 BUILTIN_PREFIX = "builtin:"
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram window when neither end is given
+
+# vLLM's speculative_config keys and values that mean what one of ours means, so a vLLM
+# config works as it is (docs/speculative.md has the table). Keys vLLM has and we do not
+# are refused by name, as any unknown key is.
+VLLM_METHODS = {"deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp", "[ngram]": "ngram"}
+VLLM_DRAFT_SAMPLE_METHODS = {"greedy": "greedy", "probabilistic": "sample"}
+
+
+def from_vllm(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with vLLM's spellings turned into ours (a ValueError names a bad value)."""
+    data = dict(data)
+    method = data.get("method")
+    if isinstance(method, str) and method in VLLM_METHODS:
+        data["method"] = VLLM_METHODS[method]
+    if "draft_sample_method" in data:
+        value = data.pop("draft_sample_method")
+        if value not in VLLM_DRAFT_SAMPLE_METHODS:
+            raise ValueError(
+                f"speculative.draft_sample_method={value!r}: one of "
+                f"{sorted(VLLM_DRAFT_SAMPLE_METHODS)}"
+            )
+        data["draft_sampling"] = VLLM_DRAFT_SAMPLE_METHODS[value]
+    if "speculative_token_tree" in data:
+        tree = data.pop("speculative_token_tree")
+        if isinstance(tree, str):
+            try:
+                tree = ast.literal_eval(tree)
+            except (ValueError, SyntaxError) as e:
+                raise ValueError(
+                    f"speculative.speculative_token_tree={tree!r} is not a list of tuples"
+                ) from e
+        data["tree"] = {"paths": tree}
+    if data.get("draft_tensor_parallel_size") in (None, 1):
+        data.pop("draft_tensor_parallel_size", None)  # the draft runs on the last rank
+    return data
 
 
 def builtin_head_path(name: str) -> str:
@@ -146,8 +183,9 @@ class SpeculativeConfig(BaseModel):
     model: str | None = None
     num_speculative_tokens: int = Field(ge=1, le=64)
     # n-gram window: the longest suffix of this many tokens that re-occurs is matched.
-    prompt_lookup_min: int = Field(default=1, ge=1)
-    prompt_lookup_max: int = Field(default=4, ge=1)
+    # vLLM's defaults: 5 and 5 when neither is given, the given one when one is.
+    prompt_lookup_min: int = Field(default=None, ge=1)  # type: ignore[assignment]
+    prompt_lookup_max: int = Field(default=None, ge=1)  # type: ignore[assignment]
     # "sample": requests with temperature > 0 draw their drafts from the draft distribution
     # and hand it to the rejection sampler (better acceptance at high temperature);
     # "greedy": drafts are the draft's argmax, verified as delta distributions (vLLM's way).
@@ -168,9 +206,16 @@ class SpeculativeConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _resolve_builtin(cls, data: Any) -> Any:
-        """`model: "builtin:<name>"` names a head shipped with the package."""
-        model = data.get("model") if isinstance(data, dict) else None
+    def _resolve_vllm_and_builtin(cls, data: Any) -> Any:
+        """vLLM's keys and values (`VLLM_ALIASES`), the n-gram window's defaults, and
+        `model: "builtin:<name>"`, a head shipped with the package."""
+        if not isinstance(data, dict):
+            return data
+        data = from_vllm(data)
+        lookup_min, lookup_max = data.get("prompt_lookup_min"), data.get("prompt_lookup_max")
+        data["prompt_lookup_min"] = lookup_min or lookup_max or DEFAULT_PROMPT_LOOKUP
+        data["prompt_lookup_max"] = lookup_max or lookup_min or DEFAULT_PROMPT_LOOKUP
+        model = data.get("model")
         if isinstance(model, str) and model.startswith(BUILTIN_PREFIX):
             path = builtin_head_path(model[len(BUILTIN_PREFIX) :])
             if not os.path.isdir(path):

@@ -129,11 +129,41 @@ def test_bad_configs_are_refused(kwargs, message):
         SpeculativeConfig(**kwargs)
 
 
+def test_vllm_keys_and_values_are_accepted_as_they_are(setup):
+    """A vLLM speculative_config means the same here (docs/speculative.md's table)."""
+    _, specs, _ = setup
+    head = specs["eagle3"]["model"]
+    ngram = SpeculativeConfig(method="[ngram]", num_speculative_tokens=3)
+    assert (ngram.method, ngram.prompt_lookup_min, ngram.prompt_lookup_max) == ("ngram", 5, 5)
+    one_end = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3)
+    assert (one_end.prompt_lookup_min, one_end.prompt_lookup_max) == (3, 3)
+    sampled = SpeculativeConfig(
+        model=head, num_speculative_tokens=2, draft_sample_method="probabilistic"
+    )
+    assert sampled.draft_sampling == "sample"
+    tree = SpeculativeConfig(
+        model=head,
+        num_speculative_tokens=2,
+        speculative_token_tree="[(0,), (1,), (0, 0)]",
+        draft_tensor_parallel_size=1,
+    )
+    assert tree.tree is not None and tree.tree.paths == ((0,), (1,), (0, 0))
+    for bad, field in [
+        ({"draft_sample_method": "beam"}, "draft_sample_method"),
+        ({"speculative_token_tree": "[(0,"}, "speculative_token_tree"),
+        ({"draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
+        ({"suffix_decoding_max_tree_depth": 8}, "suffix_decoding_max_tree_depth"),
+        ({"method": "medusa"}, "method"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            SpeculativeConfig(**{"model": head, "num_speculative_tokens": 2, **bad})
+
+
 def test_hybrid_configs_are_checked(setup):
     _, specs, _ = setup
     head = specs["eagle3"]["model"]
-    with pytest.raises(ValueError, match="must not exceed prompt_lookup_max=4"):
-        SpeculativeConfig(model=head, num_speculative_tokens=2, hybrid_lookup_min=5)
+    with pytest.raises(ValueError, match="must not exceed prompt_lookup_max=5"):
+        SpeculativeConfig(model=head, num_speculative_tokens=2, hybrid_lookup_min=6)
     with pytest.raises(ValueError, match="cannot be combined"):
         SpeculativeConfig(
             model=head,
