@@ -174,23 +174,22 @@ def test_openai_requests_map_onto_sampling_params():
     completion = CompletionRequest(
         model="m", prompt=[1, 2, 3], max_tokens=5, temperature=0, stop="x", top_k=4
     )
-    assert completion.prompt_fields() == {"prompt_token_ids": [1, 2, 3], "echo": False}
+    assert completion.prompts() == [{"prompt_token_ids": [1, 2, 3], "echo": False}]
     params = completion.sampling_params()
     assert (params.max_tokens, params.temperature, params.stop, params.top_k) == (5, 0, ("x",), 4)
-    assert CompletionRequest(model="m", prompt=["one"]).prompt_fields() == {
-        "prompt": "one",
-        "echo": False,
-    }
+    assert CompletionRequest(model="m", prompt=["one"]).prompts() == [
+        {"prompt": "one", "echo": False}
+    ]
     # echo with logprobs asks for the prompt's; echo with max_tokens 0 samples one token
     scored = CompletionRequest(model="m", prompt="x", echo=True, max_tokens=0, logprobs=1)
-    assert scored.echo_only and scored.prompt_fields()["echo"]
+    assert scored.echo_only and scored.prompts()[0]["echo"]
     assert (scored.sampling_params().max_tokens, scored.sampling_params().prompt_logprobs) == (1, 1)
     assert (
         CompletionRequest(model="m", prompt="x", echo=True).sampling_params().prompt_logprobs
         is None
     )
-    with pytest.raises(ValueError, match="one prompt per request"):
-        CompletionRequest(model="m", prompt=["one", "two"]).prompt_fields()
+    two = CompletionRequest(model="m", prompt=[[1, 2], [3]]).prompts()  # choice i * n + j
+    assert [p["prompt_token_ids"] for p in two] == [[1, 2], [3]]
     assert CompletionRequest(model="m", prompt="x", logprobs=2).sampling_params().logprobs == 2
     assert CompletionRequest(model="m", prompt="x").sampling_params().logprobs is None
     with pytest.raises(ValidationError, match="logprobs"):

@@ -458,3 +458,115 @@ def test_cli_generate_and_chat_against_the_server(served, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(f"{QUESTION}\n/exit\nnever sent\n"))
     main(["chat", *remote])
     assert capsys.readouterr().out == reference["chat"].outputs[0].text + "\n"
+
+
+def test_vllm_routes_content_parts_prompt_lists_and_refused_fields(served, smollm2_path):
+    """vLLM's extra routes; chat content as text parts, the developer role and names; a
+    list of prompts; fields that ask for what this server cannot do get a 400 naming them,
+    unknown fields too, while no-effect ones (user) are accepted."""
+    url, _, reference = served
+    client = _client(url)
+    model = "SmolLM2-135M-Instruct"
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    assert _get(f"{url}/version", AUTH)[1]["version"]
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    status, body = _get(
+        f"{url}/tokenize", {**AUTH, **JSON}, json.dumps({"model": model, "prompt": PROMPT}).encode()
+    )
+    assert (
+        status == 200
+        and body["tokens"] == tokenizer.encode(PROMPT)
+        and body["count"] == len(body["tokens"])
+    )
+    chat = {"model": model, "messages": [{"role": "user", "content": QUESTION}]}
+    status, body = _get(f"{url}/tokenize", {**AUTH, **JSON}, json.dumps(chat).encode())
+    assert body["tokens"] == reference["chat"].prompt_token_ids
+    status, body = _get(
+        f"{url}/detokenize",
+        {**AUTH, **JSON},
+        json.dumps({"model": model, "tokens": body["tokens"]}).encode(),
+    )
+    assert status == 200 and body["prompt"] == tokenizer.decode(reference["chat"].prompt_token_ids)
+    status, body = _get(
+        f"{url}/detokenize",
+        {**AUTH, **JSON},
+        json.dumps({"model": model, "tokens": [10**9]}).encode(),
+    )
+    assert status == 400 and "tokens" in body["error"]["message"]
+
+    greedy = dict(model=model, max_tokens=MAX_TOKENS, temperature=0)
+    parts = [{"type": "text", "text": QUESTION}]
+    named = [{"role": "user", "content": parts, "name": "ada"}]
+    out = client.chat.completions.create(
+        **greedy, messages=named, user="u1", extra_body={"top_k": 0}
+    )
+    assert out.choices[0].message.content == reference["chat"].outputs[0].text
+    developer = client.chat.completions.create(
+        **greedy, messages=[{"role": "developer", "content": "Answer briefly."}, *chat["messages"]]
+    )
+    assert developer.choices[0].message.content  # the template took it (as a system turn)
+    both = client.completions.create(**greedy, prompt=[PROMPT, QUESTION])
+    assert [c.index for c in both.choices] == [0, 1]
+    assert both.choices[0].text == reference["completion"].outputs[0].text
+    assert both.usage.prompt_tokens == len(tokenizer.encode(PROMPT)) + len(
+        tokenizer.encode(QUESTION)
+    )
+
+    for field, extra in [
+        ("response_format", {"response_format": {"type": "json_object"}}),
+        ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+        ("tool_choice", {"tool_choice": "required"}),
+        ("not_a_field", {"extra_body": {"not_a_field": 1}}),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.chat.completions.create(**greedy, messages=chat["messages"], **extra)
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+        client.chat.completions.create(**greedy, messages=[{"role": "user", "content": image}])
+
+
+def _scrape(url):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = _get(f"{url}/metrics")  # no key: scrapers send none, as with vLLM
+    assert status == 200
+    samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "replica")))
+            samples[key] = samples.get(key, 0) + s.value
+    return samples
+
+
+def test_metrics_with_vllm_names_scraped_during_load(served):
+    url, _, reference = served
+    client = _client(url)
+    model = (("model_name", "SmolLM2-135M-Instruct"),)
+    before = _scrape(url)
+    stream = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+        stream=True,
+    )  # fmt: skip
+    next(iter(stream))
+    during = _scrape(url)  # one replica, so this request is in its gauges
+    assert during[("vllm:num_requests_running", model)] >= 1
+    text = "".join(c.choices[0].text for c in stream)
+    assert text
+    after = _scrape(url)
+
+    def grew(name, labels=model):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    stop = tuple(sorted((*model, ("finished_reason", "length"))))
+    assert grew("vllm:request_success_total", stop) >= 1
+    assert grew("vllm:generation_tokens_total") >= MAX_TOKENS
+    assert grew("vllm:prompt_tokens_total") >= len(reference["completion"].prompt_token_ids)
+    for histogram in ("time_to_first_token", "e2e_request_latency"):
+        assert grew(f"vllm:{histogram}_seconds_count") >= 1
+    assert ("vllm:kv_cache_usage_perc", model) in after
+    if reference["speculating"]:
+        assert grew("vllm:spec_decode_num_draft_tokens_total") > 0
+        first = tuple(sorted((*model, ("position", "0"))))
+        assert ("vllm:spec_decode_num_accepted_tokens_per_pos_total", first) in after

@@ -1,8 +1,10 @@
 """The OpenAI-compatible routes, served by the `LLMServer` replicas themselves
 (`@serve.ingress` on a subclass): a FastAPI app, one Serve hop from the HTTP proxy.
 
-Routes: `/v1/completions`, `/v1/chat/completions` (streamed as server-sent events when
-`stream` is set), `/v1/models`, `/health`. Every error, FastAPI's own included (a body
+Routes: `/v1/completions` (one prompt or a list), `/v1/chat/completions` (streamed as
+server-sent events when `stream` is set), `/v1/models`, `/v1/models/{id}`, and vLLM's
+`/tokenize`, `/detokenize`, `/version`, `/health`, and `/metrics` (this replica's, with
+vLLM's metric names; no key needed, as for `/health`). Every error, FastAPI's own included (a body
 that is not JSON or not UTF-8, an unknown route), is OpenAI-style JSON with a real
 status: the first chunk of a stream is awaited before the response starts, so a bad
 request, a full engine queue or a dead engine is a 400/429/503, not a 200 with a broken
@@ -10,7 +12,7 @@ body.
 When the client goes away the stream is cancelled, which aborts the request in the
 engine and frees its KV blocks. `n` choices are `n` engine requests (awaited together,
 their streams merged chunk by chunk with each choice's index). A Bearer API key, when configured, guards every path
-but `/health` (the OpenAPI schema and docs pages included), and is checked before the
+but `/health` and `/metrics` (the OpenAPI schema and docs pages included), and is checked before the
 body is read, so an unauthenticated caller learns nothing about the schema.
 """
 
@@ -23,12 +25,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from cluster import __version__ as cluster_version
 from cluster.serve.args import ClusterArgs
 from cluster.serve.errors import (
     AuthenticationError,
@@ -41,7 +44,9 @@ from cluster.serve.errors import (
 from cluster.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ResponseFormatter,
+    TokenizeRequest,
 )
 from cluster.serve.protocol import GenerateOutput, GenerateRequest
 from cluster.serve.server import LLMServer
@@ -102,8 +107,9 @@ def _validation_message(e: RequestValidationError | ValidationError) -> str:
 
 
 # Paths (below the route prefix) that answer without the API key.
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # as vLLM: scrapers send no key
 HEALTH_TIMEOUT_S = 10.0
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class BearerAuth:
@@ -193,10 +199,57 @@ def make_server_class() -> type:
 
         @app.get("/v1/models")
         async def models(self) -> JSONResponse:
+            return JSONResponse({"object": "list", "data": [await self._model_entry()]})
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(self, model_id: str) -> JSONResponse:
+            try:
+                self._check_model(model_id)
+            except Exception as e:
+                return error_response(e)
+            return JSONResponse(await self._model_entry())
+
+        async def _model_entry(self) -> dict[str, Any]:
             card = await self.model_card()
             entry = {"id": card["id"], "object": "model", "created": 0, "owned_by": "cluster"}
-            entry["max_model_len"] = card["max_model_len"]
-            return JSONResponse({"object": "list", "data": [entry]})
+            return {**entry, "max_model_len": card["max_model_len"]}
+
+        @app.get("/metrics")
+        async def metrics(self) -> Response:
+            """This replica's metrics, vLLM's names, Prometheus' text format."""
+            return Response(self.metrics.exposition(), media_type=PROMETHEUS_TEXT)
+
+        @app.get("/version")
+        async def version(self) -> JSONResponse:
+            return JSONResponse({"version": cluster_version})
+
+        @app.post("/tokenize")
+        async def tokenize(self, body: TokenizeRequest) -> JSONResponse:
+            """The prompt's token ids as a completion or chat request would see them."""
+            try:
+                self._check_model(body.model)
+                if body.messages is not None:
+                    turns = [m.template_dict() for m in body.messages]
+                    ids = self.engine.frontend.chat_prompt(turns, body.add_generation_prompt)
+                    ids = ids["prompt_token_ids"]
+                else:
+                    ids = self.engine.tokenizer.encode(body.prompt)
+            except Exception as e:
+                return error_response(e)
+            limit = self.max_model_len
+            return JSONResponse({"count": len(ids), "max_model_len": limit, "tokens": ids})
+
+        @app.post("/detokenize")
+        async def detokenize(self, body: DetokenizeRequest) -> JSONResponse:
+            try:
+                self._check_model(body.model)
+                vocab = self.engine.frontend.vocab_size
+                bad = [t for t in body.tokens if not 0 <= t < vocab]
+                if bad:
+                    raise ValueError(f"tokens: ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            except Exception as e:
+                return error_response(e)
+            return JSONResponse({"prompt": self.engine.tokenizer.decode(body.tokens)})
 
         @app.post("/v1/completions")
         async def completions(self, body: CompletionRequest) -> Any:
@@ -209,13 +262,9 @@ def make_server_class() -> type:
         async def _serve(self, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Any:
             try:
                 self._check_model(body.model)
-                fields = (
-                    {"messages": body.messages}
-                    if isinstance(body, ChatCompletionRequest)
-                    else body.prompt_fields()
-                )
-                requests = [
+                requests = [  # choice i * n + j: prompt i's j-th
                     GenerateRequest(**fields, sampling_params=params, stream=body.stream)
+                    for fields in body.prompts()
                     for params in body.choice_params()
                 ]
             except ValidationError as e:
@@ -223,7 +272,7 @@ def make_server_class() -> type:
             except Exception as e:
                 return error_response(e)
             echo_only = isinstance(body, CompletionRequest) and body.echo_only
-            formatter = ResponseFormatter(self.model_id, chat, echo_only)
+            formatter = ResponseFormatter(self.model_id, chat, echo_only, body.n)
             if not body.stream:
                 try:  # one engine request per choice; the first failure cancels the rest
                     outputs = await _all_or_none([self.generate(r) for r in requests])

@@ -5,21 +5,25 @@
 target's log-softmax of the raw logits at each output position, as vLLM returns by
 default, and the same with speculation on or off; completions' `echo` puts the prompt
 (and its tokens' logprobs) before the completion. Other sampling fields map one to one
-onto `SamplingParams` (vLLM's extensions `top_k`,
-`min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `min_tokens` are accepted
-too, and
-OpenAI's `logit_bias`); every
-bad value becomes a 400 naming the field. Unknown fields are ignored, as OpenAI clients
-send some this server has no use for; fields it cannot honour are refused.
+onto `SamplingParams` (vLLM's extensions `top_k` (0 or -1: off), `min_p`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `min_tokens` are accepted too, and
+OpenAI's `logit_bias`); every bad value becomes a 400 naming the field.
+
+No field is ignored in silence. Every field of OpenAI's requests is one of: honoured;
+accepted with no effect on what is computed (`NO_EFFECT_FIELDS`: identifiers and hints
+such as `user`); or refused with a 400 naming it unless it holds its neutral value
+(`UNSUPPORTED_FIELDS`, e.g. `tools`, or a `response_format` other than text). A field
+OpenAI's API does not have is refused too.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.sampling_params import MAX_CHOICES, SamplingParams
 from cluster.serve.protocol import ChatMessage, GenerateOutput, TokenLogprob
@@ -42,12 +46,75 @@ _SAMPLING_FIELDS = (
 )
 
 
+# Accepted and passed over: they name or describe the caller, or hint at things this
+# server does anyway (prefix caching) or has no notion of (service tiers).
+NO_EFFECT_FIELDS = frozenset(
+    {
+        "user",
+        "metadata",
+        "safety_identifier",
+        "service_tier",
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+    }
+)
+
+
+def _off(value: Any) -> bool:
+    return value is None or value is False or value in ("", "none", [], {})
+
+
+# Fields this server cannot honour: refused (400 naming the field) unless they hold the
+# value that asks for nothing.
+UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "response_format": (
+        "only {'type': 'text'} (no guided decoding yet)",
+        lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    ),
+    "tools": ("tool calling is not supported yet", _off),
+    "tool_choice": ("tool calling is not supported yet", _off),
+    "parallel_tool_calls": ("no effect without tools", lambda v: v in (None, False, True)),
+    "functions": ("function calling is not supported", _off),
+    "function_call": ("function calling is not supported", _off),
+    "audio": ("audio output is not supported", _off),
+    "modalities": ("text only", lambda v: v is None or list(v) == ["text"]),
+    "prediction": ("predicted outputs are not supported", _off),
+    "web_search_options": ("web search is not supported", _off),
+    "reasoning_effort": ("no reasoning settings here", _off),
+    "verbosity": ("not supported", _off),
+    "store": ("responses are not stored", _off),
+    "suffix": ("insertion (a suffix) is not supported", _off),
+    "chat_template_kwargs": ("not supported yet", _off),
+    "moderation": ("no moderation here", _off),
+}
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
 class _OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        """Refuse unsupported fields that ask for something; drop the no-effect ones."""
+        if not isinstance(data, dict):
+            return data
+        for name, (why, neutral) in UNSUPPORTED_FIELDS.items():
+            if name in data and not neutral(data[name]):
+                raise ValueError(f"{name}: not supported by this server ({why})")
+        dropped = NO_EFFECT_FIELDS | UNSUPPORTED_FIELDS.keys()
+        return {k: v for k, v in data.items() if k not in dropped}
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, v: int | None) -> int | None:
+        return -1 if v == 0 else v  # vLLM's convention: 0 and -1 both turn top-k off
 
     model: str
     # Choices per request: each is its own engine request (sharing the prompt's cached
@@ -83,7 +150,8 @@ class _OpenAIRequest(BaseModel):
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: str | list[str] | list[int]
+    # one prompt (text or token ids) or a list of them; choice i * n + j is prompt i's j-th
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
     max_tokens: int | None = 16
     # The prompt comes back before the completion (its tokens' logprobs too, with
     # `logprobs`); with `max_tokens: 0` only the prompt does (scoring a text).
@@ -105,15 +173,13 @@ class CompletionRequest(_OpenAIRequest):
         max_tokens = 1 if self.echo_only else self.max_tokens
         return self._sampling(max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
 
-    def prompt_fields(self) -> dict[str, Any]:
+    def prompts(self) -> list[dict[str, Any]]:
+        """Each prompt's `GenerateRequest` fields, in order."""
         prompt = self.prompt
-        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise ValueError("prompt: send one prompt per request")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return {"prompt": prompt, "echo": self.echo}
-        return {"prompt_token_ids": prompt, "echo": self.echo}
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]  # type: ignore[assignment]
+        key = {str: "prompt", list: "prompt_token_ids"}
+        return [{key[type(p)]: p, "echo": self.echo} for p in prompt]  # type: ignore[union-attr]
 
 
 class ChatCompletionRequest(_OpenAIRequest):
@@ -133,14 +199,43 @@ class ChatCompletionRequest(_OpenAIRequest):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(self.max_completion_tokens or self.max_tokens, logprobs=logprobs)
 
+    def prompts(self) -> list[dict[str, Any]]:
+        return [{"messages": self.messages}]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a text prompt, or chat `messages` through the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's `/detokenize`: token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    tokens: list[int]
+
 
 def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
 
-def _usage(outs: list[GenerateOutput]) -> dict[str, int]:
-    """One prompt, every choice's tokens."""
-    prompt = outs[0].num_prompt_tokens
+def _usage(outs: list[GenerateOutput], choices_per_prompt: int) -> dict[str, int]:
+    """Every prompt's tokens (choice i * n + j answers prompt i), every choice's tokens."""
+    prompt = sum(o.num_prompt_tokens for o in outs[::choices_per_prompt])
     completion = sum(o.num_output_tokens for o in outs)
     return {
         "prompt_tokens": prompt,
@@ -153,8 +248,11 @@ class ResponseFormatter:
     """Builds one request's response body or stream chunks (completion or chat), for
     each of its choices (`index`)."""
 
-    def __init__(self, model: str, chat: bool, echo_only: bool = False) -> None:
+    def __init__(
+        self, model: str, chat: bool, echo_only: bool = False, choices_per_prompt: int = 1
+    ) -> None:
         self.model = model
+        self.choices_per_prompt = choices_per_prompt
         self.chat = chat
         # Completions with `echo` and `max_tokens: 0`: the prompt alone, no completion.
         self.echo_only = echo_only
@@ -225,7 +323,7 @@ class ResponseFormatter:
                 body = {"text": self._text(out)}
             choices.append(self._choice(out, index, body))
         envelope = self._envelope("chat.completion" if self.chat else "text_completion", choices)
-        return {**envelope, "usage": _usage(outs)}
+        return {**envelope, "usage": _usage(outs, self.choices_per_prompt)}
 
     def chunk(self, out: GenerateOutput, index: int = 0) -> dict[str, Any]:
         """A stream chunk carrying choice `index`'s new piece."""
@@ -244,4 +342,4 @@ class ResponseFormatter:
         """The final chunk with usage (`stream_options.include_usage`), from each choice's
         last output."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(obj, []), "usage": _usage(lasts)}
+        return {**self._envelope(obj, []), "usage": _usage(lasts, self.choices_per_prompt)}

@@ -21,18 +21,56 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cluster.sampling_params import SamplingParams, is_valid_unicode
 
 
-class ChatMessage(BaseModel):
+class TextPart(BaseModel):
+    """One part of a message's `content` list: text is the only kind a text model reads."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat turn, as OpenAI's API sends it: `content` a string or a list of text parts
+    (joined with newlines, as vLLM does); `developer` (OpenAI's newer name for `system`)
+    reaches the chat template as `system`; `name` is passed to the template, which may use
+    it. Any other key, or a part other than text, is an error naming it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: object) -> object:
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported (text only)")
+        return v
 
     @field_validator("content")
     @classmethod
-    def _unicode(cls, v: str) -> str:
-        if not is_valid_unicode(v):
+    def _unicode(cls, v: str | list[TextPart]) -> str | list[TextPart]:
+        texts = [v] if isinstance(v, str) else [p.text for p in v]
+        if not all(is_valid_unicode(t) for t in texts):
             raise ValueError("content is not valid Unicode (it holds a lone surrogate)")
         return v
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)
+
+    def template_dict(self) -> dict[str, str]:
+        """What the chat template receives for this turn."""
+        turn = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        if self.name is not None:
+            turn["name"] = self.name
+        return turn
 
 
 class GenerateRequest(BaseModel):

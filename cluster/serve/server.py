@@ -19,6 +19,7 @@ from math import inf
 from typing import Any
 
 from pydantic import ValidationError
+from ray import serve
 from ray.util.placement_group import get_current_placement_group
 
 from cluster.actors.client import EngineClient
@@ -43,13 +44,23 @@ def http_ingress() -> str:
     return "proxy"  # Serve's Python proxy, then a Ray call per request
 
 
+def _replica_id() -> str:
+    """This Serve replica's id ("" outside a Serve replica)."""
+    try:
+        context = serve.get_replica_context()
+    except Exception:
+        return ""
+    replica = getattr(context, "replica_id", None)
+    return str(getattr(replica, "unique_id", None) or getattr(context, "replica_tag", "") or "")
+
+
 class LLMServer:
     def __init__(self, args: ClusterArgs | dict[str, Any]) -> None:
         self.args = ClusterArgs.model_validate(args)
         self.model_id = self.args.served_model_name
         config = self.args.engine_config()
         self.max_model_len = config.model.resolved_max_model_len
-        self.metrics = ServerMetrics(self.model_id)
+        self.metrics = ServerMetrics(self.model_id, _replica_id())
         self.engine = EngineClient(
             config,
             self.args.placement_config(),
@@ -184,7 +195,7 @@ class LLMServer:
             return request.prompt
         if request.prompt_token_ids is not None:
             return {"prompt_token_ids": request.prompt_token_ids}
-        return self.engine.frontend.chat_prompt([m.model_dump() for m in request.messages or []])
+        return self.engine.frontend.chat_prompt([m.template_dict() for m in request.messages or []])
 
     def _record(
         self, outcome: str, last: GenerateOutput | None, start: float, first: float | None
@@ -197,6 +208,7 @@ class LLMServer:
             n,
             None if first is None else first - start,
             None if first is None or n < 2 else (now - first) / (n - 1),
+            now - start,
         )
 
     # ---- operations ----------------------------------------------------------------------
