@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
 def _convert(args: argparse.Namespace) -> None:
@@ -23,11 +24,29 @@ def _demo(args: argparse.Namespace) -> None:
     run_demo(max_new_tokens=args.max_tokens, prompts=args.prompt or None, verbose=args.verbose)
 
 
+def _is_manifest(target: str) -> bool:
+    return target.endswith((".yaml", ".yml", ".json")) and os.path.isfile(target)
+
+
 def _serve(args: argparse.Namespace) -> None:
     from cluster.serve.manifest import ManifestError, deployment_plan, validate_manifest
+    from cluster.serve.model_command import manifest_for_model, manifest_yaml, model_flags_given
 
     try:
-        manifest, model_checked = validate_manifest(args.manifest)
+        if _is_manifest(args.target):
+            given = model_flags_given(args)
+            if given:
+                raise ManifestError(
+                    f"{', '.join(given)} apply to `cluster serve MODEL`; a manifest holds "
+                    "these settings (edit it, or print one with MODEL --print-manifest)"
+                )
+            manifest, model_checked = validate_manifest(args.target)
+        else:  # a model folder or Hugging Face id, with vLLM's flags
+            if args.print_manifest:
+                print(manifest_yaml(args.target, args), end="")
+                return
+            manifest = manifest_for_model(args.target, args)
+            model_checked = manifest.args.model_is_present()
     except ManifestError as e:
         raise SystemExit(f"error: {e}") from None
     if args.dry_run:
@@ -39,6 +58,15 @@ def _serve(args: argparse.Namespace) -> None:
     try:
         serve_forever(manifest, args.address, args.host, args.port)
     except ManifestError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def _download(args: argparse.Namespace) -> None:
+    from cluster.hub import resolve_model_path
+
+    try:
+        print(resolve_model_path(args.model, args.revision, download=True))
+    except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 
 
@@ -97,20 +125,37 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     serve = sub.add_parser(
-        "serve", help="deploy a manifest on Ray Serve (on a Ray of its own) until Ctrl-C"
+        "serve",
+        help="deploy a manifest, or a model with vLLM's flags, on Ray Serve until Ctrl-C",
     )
-    serve.add_argument("manifest", help="a Serve config file, e.g. manifests/default.yaml")
+    serve.add_argument(
+        "target",
+        help="a Serve config file (e.g. manifests/default.yaml), or a model: a local folder "
+        "or a Hugging Face id, served like `vllm serve MODEL` (port 8000 unless --port)",
+    )
     serve.add_argument(
         "--address",
         help="join this Ray cluster ('auto': the one running here) instead of starting a "
         "new local Ray; on exit only this application is removed from it",
     )
     serve.add_argument("--host", help="HTTP host (default: the manifest's, else 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="HTTP port (default: the manifest's, else free)")
+    serve.add_argument(
+        "--port", type=int, help="HTTP port (default: the manifest's, else free; a model: 8000)"
+    )
     serve.add_argument(
         "--dry-run", action="store_true", help="validate and print the deployment plan only"
     )
+    from cluster.serve.model_command import add_model_flags
+
+    add_model_flags(serve.add_argument_group("serving a model (vLLM's flags)"))
     serve.set_defaults(func=_serve)
+
+    download = sub.add_parser(
+        "download", help="fetch a Hugging Face model into the Hub cache (for air-gapped hosts)"
+    )
+    download.add_argument("model", help="a Hugging Face id, e.g. Qwen/Qwen3-0.6B")
+    download.add_argument("--revision", help="branch, tag or commit")
+    download.set_defaults(func=_download)
 
     generate = sub.add_parser("generate", help="complete prompts (offline or from a server)")
     generate.add_argument("prompts", nargs="+", help="one or more prompts")

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cluster.architectures import check_target_config, has_recurrent_layers
 from cluster.dtypes import resolve_dtype
+from cluster.hub import resolve_model_path
 from cluster.speculative_config import SpeculativeConfig
 
 DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
@@ -57,9 +58,12 @@ class _Frozen(BaseModel):
 class ModelConfig(_Frozen):
     """Which checkpoint to serve and at what precision and length."""
 
-    # The local HF folder (config.json, tokenizer, *.safetensors). The default
-    # model is resolved to its converted folder by `cluster.models.default_model`.
-    path: str = Field(description="local folder of a Hugging Face checkpoint")
+    # The local HF folder (config.json, tokenizer, *.safetensors), or a Hugging Face id
+    # found in the Hub cache (`cluster.hub`), which becomes its snapshot folder here. The
+    # default model is resolved to its converted folder by `cluster.models.default_model`.
+    path: str = Field(description="local folder or Hugging Face id of a checkpoint")
+    # A Hub id's branch, tag or commit (vLLM's `revision`); the commit once resolved.
+    revision: str | None = None
     tokenizer: str | None = Field(default=None, description="tokenizer folder; defaults to path")
     dtype: DTypeName = "auto"
     max_model_len: int | None = Field(default=None, ge=1)
@@ -70,6 +74,19 @@ class ModelConfig(_Frozen):
     # so greedy speculation equals greedy decoding token for token in 16-bit dtypes and a
     # request's answer does not depend on the server's load (`cluster.worker.model_runner`).
     batch_invariant: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_hub_ids(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("path"), str):
+            return data
+        path = resolve_model_path(data["path"], data.get("revision"))
+        data = {**data, "path": path}
+        if data.get("revision") is not None:  # pinned: the commit, so a copy re-validates
+            data["revision"] = os.path.basename(path)
+        if isinstance(data.get("tokenizer"), str):
+            data["tokenizer"] = resolve_model_path(data["tokenizer"])
+        return data
 
     @field_validator("path")
     @classmethod
@@ -261,6 +278,7 @@ class EngineConfig(_Frozen):
 
 # Flat engine arguments (vLLM's names) -> (section, field).
 _FLAT_ARGS = {
+    "revision": ("model", "revision"),
     "tokenizer": ("model", "tokenizer"),
     "dtype": ("model", "dtype"),
     "max_model_len": ("model", "max_model_len"),

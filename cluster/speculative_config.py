@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cluster.architectures import RECURRENT_ARCHITECTURES
 from cluster.checkpoints import checkpoint_tensor_shapes
 from cluster.draft_tree import max_tree_nodes
+from cluster.hub import is_hub_id, resolve_model_path
 
 Method = Literal["eagle", "eagle3", "mtp", "ngram", "draft_model"]
 DraftKind = Literal[
@@ -216,6 +217,8 @@ class SpeculativeConfig(BaseModel):
         data["prompt_lookup_min"] = lookup_min or lookup_max or DEFAULT_PROMPT_LOOKUP
         data["prompt_lookup_max"] = lookup_max or lookup_min or DEFAULT_PROMPT_LOOKUP
         model = data.get("model")
+        if isinstance(model, str) and model != "ngram" and is_hub_id(model):
+            data["model"] = model = resolve_model_path(model, data.pop("revision", None))
         if isinstance(model, str) and model.startswith(BUILTIN_PREFIX):
             path = builtin_head_path(model[len(BUILTIN_PREFIX) :])
             if not os.path.isdir(path):

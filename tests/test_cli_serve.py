@@ -39,8 +39,10 @@ def _wait_for_line(lines: queue.Queue, prefix: str, timeout_s: float, seen: list
 class Server:
     """One `cluster serve` process and the lines it printed."""
 
-    def __init__(self, manifest: str, env: dict[str, str] | None = None) -> None:
-        command = [sys.executable, "-m", "cluster.cli", "serve", manifest]
+    def __init__(
+        self, target: str, env: dict[str, str] | None = None, flags: tuple[str, ...] = ()
+    ) -> None:
+        command = [sys.executable, "-m", "cluster.cli", "serve", target, *flags]
         self.proc = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
@@ -162,3 +164,51 @@ def test_demo_prints_progress_answers_and_the_table_and_little_else(tmp_path, sm
     noise = [line for line in output.splitlines() if "INFO" in line or "(raylet)" in line]
     assert not noise and "Traceback" not in output, output[-3000:]
     assert len(output.splitlines()) < 30, output
+
+
+def _hub_cache(tmp_path, smollm2_path, repo: str) -> str:
+    """A Hugging Face cache holding `repo` at one commit (`main`), in the cache's layout."""
+    cache = tmp_path / "hub"
+    commit = "c" * 40
+    folder = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / commit
+    make_tiny_chat_model(str(folder), smollm2_path, num_hidden_layers=2)
+    (folder.parent.parent / "refs").mkdir()
+    (folder.parent.parent / "refs" / "main").write_text(commit)
+    return str(cache)
+
+
+def test_cluster_serve_takes_a_hub_id_with_vllms_flags(tmp_path, smollm2_path):
+    """`vllm serve ID -tp 2 --speculative-config ...` with `vllm` replaced by `cluster`:
+    the model comes from a local Hub cache (offline) and is served under its id."""
+    from cluster.parallel.spawn import free_port
+
+    repo = "tiny-org/tiny-chat"
+    env = {"HF_HUB_CACHE": _hub_cache(tmp_path, smollm2_path, repo), "HF_HUB_OFFLINE": "1"}
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    flags = ["--tensor-parallel-size", "2", "--speculative-config", spec, "--max-model-len", "128"]
+    command = [sys.executable, "-m", "cluster.cli", "serve", repo, *flags]
+    printed = subprocess.run(
+        [*command, "--print-manifest"], env={**os.environ, **env}, capture_output=True, text=True
+    )
+    app = yaml.safe_load(printed.stdout)["applications"][0]["args"]
+    assert app["parallel"]["tensor_parallel_size"] == 2 and app["model"]["path"] == repo
+    assert app["speculative"] == json.loads(spec)
+    manifest = tiny_manifest(tmp_path, smollm2_path, "plain")
+    refused = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "serve", manifest, "-tp", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode != 0 and "--tensor-parallel-size" in refused.stderr
+
+    server = Server(repo, env, (*flags, "--port", str(free_port()), "--dtype", "float32"))
+    try:
+        url = server.wait_for("base URL:", 240)
+        body = json.loads(_completions(url, model=repo, max_tokens=24))
+        assert body["model"] == repo and body["usage"]["completion_tokens"] == 24
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        assert "vllm:spec_decode_num_drafts_total" in metrics
+        server.stop()
+    finally:
+        server.kill()

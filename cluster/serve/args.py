@@ -23,6 +23,7 @@ from cluster.config import (
     SchedulerConfig,
     engine_config_from_args,
 )
+from cluster.hub import is_hub_id, resolve_model_path
 from cluster.placement_config import PlacementConfig
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -35,8 +36,11 @@ class _Frozen(BaseModel):
 class ModelArgs(_Frozen):
     """Which checkpoint to serve; `path: null` is the embedded default (SmolLM2)."""
 
-    id: str | None = Field(default=None, description="served model name (default: folder name)")
-    path: str | None = None
+    id: str | None = Field(
+        default=None, description="served model name (default: the Hub id, or the folder name)"
+    )
+    path: str | None = None  # a local folder or a Hugging Face id (`cluster.hub`)
+    revision: str | None = None
     tokenizer: str | None = None
     dtype: DTypeName = "auto"
     max_model_len: int | None = Field(default=None, ge=1)
@@ -127,6 +131,8 @@ class ClusterArgs(_Frozen):
         if self.model.id:
             return self.model.id
         if self.model.path:
+            if is_hub_id(self.model.path):
+                return self.model.path  # as vLLM names it
             return os.path.basename(os.path.normpath(self.model.path))
         from cluster.models.default_model import DEFAULT_MODEL_NAME
 
@@ -135,7 +141,7 @@ class ClusterArgs(_Frozen):
     def model_path(self) -> str:
         """The checkpoint folder (converting the embedded default model on first use)."""
         if self.model.path is not None:
-            return self.model.path
+            return resolve_model_path(self.model.path, self.model.revision)
         from cluster.models.default_model import ensure_default_model
 
         return ensure_default_model()
@@ -149,7 +155,8 @@ class ClusterArgs(_Frozen):
     def engine_args(self, model_path: str | None = None) -> dict[str, Any]:
         """Flat engine arguments (`LLM(**...)`, `engine_config_from_args(**...)`)."""
         args: dict[str, Any] = {"model": model_path or self.model_path(), "seed": self.seed}
-        args.update(self.model.model_dump(exclude={"id", "path"}, exclude_none=True))
+        # model_path() resolved the revision into the snapshot folder
+        args.update(self.model.model_dump(exclude={"id", "path", "revision"}, exclude_none=True))
         for name, value in self.parallel.model_dump(exclude_unset=True).items():
             args["distributed_backend" if name == "backend" else name] = value
         args.update(self.cache.model_dump(exclude_unset=True))
@@ -175,6 +182,13 @@ class ClusterArgs(_Frozen):
 
     def model_is_present(self) -> bool:
         """False when `model.path` names a folder that is not here (dry runs skip model checks)."""
+        if self.model.path is not None and is_hub_id(self.model.path):
+            try:  # in the local Hub cache?
+                return bool(
+                    resolve_model_path(self.model.path, self.model.revision, cached_only=True)
+                )
+            except ValueError:
+                return False
         return self.model.path is None or os.path.isfile(
             os.path.join(self.model.path, "config.json")
         )
