@@ -80,7 +80,7 @@ class Load:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--manifest", default="manifests/default.yaml")
+    parser.add_argument("--manifest", default="cluster/manifests/default.yaml")
     parser.add_argument("--shares", type=float, nargs="+", default=[0, 0.07, 0.14, 0.28])
     parser.add_argument("--burst-ms", type=float, default=0.5, help="busy time per burst")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16])

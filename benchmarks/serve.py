@@ -14,7 +14,7 @@ calls spread over its steps), from the scheduler actor's
 cumulative timings; the last lines estimate what Ray adds per engine step at
 concurrency 1 from latencies (each step is one token then, without speculation).
 
-    python benchmarks/serve.py [--manifest manifests/default.yaml] [--no-spec]
+    python benchmarks/serve.py [--manifest cluster/manifests/default.yaml] [--no-spec]
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def ray_calls(manifest, params) -> tuple[dict[str, Call], str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--manifest", default="manifests/default.yaml")
+    parser.add_argument("--manifest", default="cluster/manifests/default.yaml")
     parser.add_argument("--model", help="another checkpoint folder than the manifest's")
     parser.add_argument("--no-spec", action="store_true", help="turn speculation off")
     parser.add_argument("--max-tokens", type=int, default=32)

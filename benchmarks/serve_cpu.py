@@ -78,7 +78,7 @@ def cpu_seconds() -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--manifest", default="manifests/default.yaml")
+    parser.add_argument("--manifest", default="cluster/manifests/default.yaml")
     parser.add_argument("--ingress", choices=("proxy", "haproxy"), default="haproxy")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=25)

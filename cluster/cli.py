@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     serve.add_argument(
         "target",
-        help="a Serve config file (e.g. manifests/default.yaml), or a model: a local folder "
+        help="a Serve config file (e.g. cluster/manifests/default.yaml), or a model: a local folder "
         "or a Hugging Face id, served like `vllm serve MODEL` (port 8000 unless --port)",
     )
     serve.add_argument(

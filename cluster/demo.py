@@ -1,6 +1,6 @@
 """`cluster demo`: the default deployment, end to end, in about a minute on a laptop.
 
-Starts a local Ray, deploys `manifests/default.yaml` (SmolLM2-135M-Instruct with its
+Starts a local Ray, deploys `cluster/manifests/default.yaml` (SmolLM2-135M-Instruct with its
 shipped EAGLE-3 head), streams a few chat answers through the Serve handle, then deploys
 the same manifest with speculation off, sends the same prompts, and prints a table:
 tokens/s with and without speculation, acceptance rate, mean acceptance length and
@@ -26,9 +26,7 @@ DEMO_PROMPTS = [
 
 
 def default_manifest_path() -> str:
-    return os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "manifests", "default.yaml"
-    )
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "manifests", "default.yaml")
 
 
 def _run_prompts(handle, prompts: list[str], max_new_tokens: int, show: bool) -> tuple[int, float]:

@@ -28,8 +28,8 @@ def resolve_model_path(
 ) -> str:
     """The local folder holding `name`'s files. A folder is returned as it is; a Hub id is
     looked up in the Hugging Face cache (and fetched when `download`, or when the
-    environment allows it, the cache lacks it and not `cached_only`). Raises ValueError
-    naming what is wrong."""
+    environment allows it, the cache lacks it and not `cached_only`); anything else is
+    returned as it is. Raises ValueError naming what is wrong."""
     if os.path.isdir(name):
         in_cache = os.path.basename(os.path.dirname(os.path.normpath(name))) == "snapshots"
         if revision is not None and not (in_cache and os.path.basename(name) == revision):
@@ -37,8 +37,10 @@ def resolve_model_path(
                 f"revision={revision!r} applies to Hugging Face ids; {name!r} is a local folder"
             )
         return name
-    if not is_hub_id(name):
-        raise ValueError(f"model {name!r} is neither a local folder nor a Hugging Face id")
+    if not is_hub_id(name):  # a path that is not here: the caller's checks name it
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to Hugging Face ids, not {name!r}")
+        return name
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 

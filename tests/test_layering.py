@@ -101,7 +101,7 @@ def test_ray_and_triton_stay_in_their_packages():
 
 
 def test_the_offline_api_imports_no_ray(tmp_path):
-    manifest = os.path.join(os.path.dirname(ROOT), "manifests", "default.yaml")
+    manifest = os.path.join(ROOT, "manifests", "default.yaml")
     code = (
         "import sys\n"
         "import cluster, cluster.llm, cluster.engine.async_llm, cluster.worker.executors\n"

@@ -18,7 +18,7 @@ from cluster.serve import GenerateRequest, ManifestError, validate_manifest
 from cluster.serve.manifest import deployment_plan, parse_manifest
 from cluster.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 
-MANIFESTS = os.path.join(os.path.dirname(__file__), "..", "manifests")
+MANIFESTS = os.path.join(os.path.dirname(__file__), "..", "cluster", "manifests")
 DEFAULT = os.path.join(MANIFESTS, "default.yaml")
 GPU_EXAMPLES = {"llama3-8b-eagle3-tp2.yaml": 2, "llama3-70b-tp8-multinode.yaml": 8}
 

@@ -23,7 +23,7 @@ from cluster.serve.errors import InvalidRequestError
 from cluster.serve.launch import deploy
 from cluster.serve.openai_protocol import CompletionRequest
 
-DEFAULT = os.path.join(os.path.dirname(__file__), "..", "manifests", "default.yaml")
+DEFAULT = os.path.join(os.path.dirname(__file__), "..", "cluster", "manifests", "default.yaml")
 API_KEY = "sk-test"
 MAX_TOKENS = 16
 PROMPT = "The three primary colours are"

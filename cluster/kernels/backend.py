@@ -1,12 +1,14 @@
 """The one place that decides whether a kernel runs as Triton or as its torch reference.
 
-`backend`: "auto" (Triton for CUDA tensors, torch elsewhere), "triton" (on CPU tensors:
+`backend`: "auto" (Triton for CUDA tensors when triton is installed, torch elsewhere),
+"triton" (on CPU tensors:
 the Triton interpreter, which must be switched on with `TRITON_INTERPRET=1` before
 `triton` is first imported) or "torch".
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Literal
 
@@ -30,4 +32,8 @@ def use_triton(backend: str, device: torch.device) -> bool:
         )
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"the Triton kernels run on CUDA or CPU, not {device.type}")
+    if importlib.util.find_spec("triton") is None:
+        if backend == "auto":  # no Triton on this platform: the torch references
+            return False
+        raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
     return True
