@@ -12,9 +12,21 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_path):
-    return AutoTokenizer.from_pretrained(smollm2_path)
+@pytest.fixture(scope="module", params=["fast", "slow"])
+def tokenizer(smollm2_path, request):
+    """The fast one decodes with `tokenizers`' DecodeStream, the slow one by windows."""
+    fast = AutoTokenizer.from_pretrained(smollm2_path)
+    if request.param == "fast":
+        return fast
+
+    class Slow:  # the same vocabulary without the Rust tokenizer: the window path
+        def encode(self, text):
+            return fast.encode(text)
+
+        def decode(self, ids, skip_special_tokens=False):
+            return fast.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    return Slow()
 
 
 @pytest.mark.parametrize("text", TEXTS)
