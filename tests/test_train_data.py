@@ -1,6 +1,8 @@
 """Training data: the prompt set (size, variety, a held-out split that never leaks) and the
 compact answer store (round trip, resuming, refusing a store made from other prompts)."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -149,3 +151,46 @@ def test_features_recorded_while_answering_equal_a_second_forward(tmp_path, smol
                 assert error.max() < 2e-2, error.max()
             else:
                 torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_train_draft_takes_a_chat_dataset(tmp_path, smollm2_path):
+    """`--dataset chats.jsonl`: the user's chats (OpenAI's format, a final assistant turn
+    dropped), split by the hash rule, answered by the target; bad lines name their line."""
+    from tiny_models import make_tiny_chat_model
+
+    from cluster.train.loop import TrainConfig
+    from cluster.train.pipeline import train_draft
+    from cluster.train.prompts import read_chats
+
+    lines = [
+        {"messages": [{"role": "user", "content": f"Tell me about topic {i}."}]} for i in range(40)
+    ]
+    lines.append(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+        ]
+    )
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    train, evals = read_chats(str(path))
+    assert len(train) + len(evals) == 41 and evals  # about 10% held out
+    assert not {c[-1]["content"] for c in train} & {c[-1]["content"] for c in evals}
+    assert (
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a colour."},
+    ) in train + evals
+    (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "user"}]}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        read_chats(str(tmp_path / "bad.jsonl"))
+
+    target = str(tmp_path / "target")
+    make_tiny_chat_model(target, smollm2_path, num_hidden_layers=4, seed=3)
+    config = TrainConfig(epochs=1, device="cpu")
+    result = train_draft(
+        target, str(tmp_path / "head"), str(tmp_path / "work"), max_tokens=4, num_prompts=None,
+        config=config, follow_up_fraction=0, data_only=True, dataset=str(path),
+    )  # fmt: skip
+    assert result["prompts_and_answer_tokens"]["train"][0] == len(train)
+    assert result["prompts_and_answer_tokens"]["eval"][0] == len(evals)

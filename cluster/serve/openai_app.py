@@ -108,7 +108,6 @@ def _validation_message(e: RequestValidationError | ValidationError) -> str:
 
 # Paths (below the route prefix) that answer without the API key.
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # as vLLM: scrapers send no key
-HEALTH_TIMEOUT_S = 10.0
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -185,12 +184,14 @@ def make_server_class() -> type:
         @app.get("/health")
         async def health_route(self) -> JSONResponse:
             """200 only when the engine answers its own health check (scheduler, every
-            worker, a step loop that is not stalled); 503 otherwise, or after 10 s."""
+            worker, a step loop that is not stalled); 503 otherwise, or after the manifest's
+            `server.health_timeout_s`."""
             try:
-                await asyncio.wait_for(self.health(), timeout=HEALTH_TIMEOUT_S)
+                timeout = self.args.server.health_timeout_s  # the manifest's
+                await asyncio.wait_for(self.health(), timeout=timeout)
             except TimeoutError:
                 return error_response(
-                    EngineUnavailableError(f"no engine answered within {HEALTH_TIMEOUT_S:g} s")
+                    EngineUnavailableError(f"no engine answered within {timeout:g} s")
                 )
             except Exception as e:  # whatever failed, the service is not available
                 _, _, message = classify(e)

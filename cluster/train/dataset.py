@@ -179,7 +179,7 @@ def cache_features(
             model = load_model(config, ParallelState.single(config.resolved_device), False)
             pack_linears(model)
             if aux_layers and hasattr(model.model, "end_layer"):  # later layers add nothing
-                model.model.end_layer = max(aux_layers) + 1
+                model.model.end_layer = min(model.model.end_layer, max(aux_layers) + 1)
         rows = [
             f
             for group in _groups(samples, max_batch_tokens)

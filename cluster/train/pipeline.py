@@ -23,7 +23,7 @@ from cluster.models.eagle3 import eagle3_aux_layers
 from cluster.train.dataset import answer_with_follow_ups, cache_features, feature_dirs
 from cluster.train.eagle_mtp_trainer import train_chain_head
 from cluster.train.feature_store import load_shards
-from cluster.train.prompts import build_prompts
+from cluster.train.prompts import build_prompts, read_chats
 from cluster.train.trainer import TrainConfig, train_eagle3
 
 METHODS = ("eagle3", "eagle", "mtp")
@@ -43,6 +43,7 @@ def train_draft(
     record_features: bool = True,
     data_only: bool = False,
     resume: bool = False,
+    dataset: str | None = None,
 ) -> dict:
     from safetensors import safe_open
 
@@ -54,7 +55,10 @@ def train_draft(
         raise ValueError(f"unknown method {method!r} (one of {METHODS})")
     # EAGLE-3 reads three aux residual streams; EAGLE-1 and MTP the final hidden state
     aux = eagle3_aux_layers(int(hf.num_hidden_layers)) if method == "eagle3" else ()
-    train_chats, eval_chats = build_prompts(seed=config.seed)
+    if dataset is not None:  # the user's chats (JSON lines), split by the same hash rule
+        train_chats, eval_chats = read_chats(dataset)
+    else:
+        train_chats, eval_chats = build_prompts(seed=config.seed)
     if num_prompts is not None:
         train_chats = train_chats[:num_prompts]
     eval_chats = eval_chats[:num_eval_prompts]
@@ -157,6 +161,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="the answer stores (default: WORK_DIR/answers; the answers of the default "
         "model are committed under data/answers/smollm2-135m-instruct)",
+    )
+    parser.add_argument(
+        "--dataset",
+        default=None,
+        help="chats to train on, JSON lines ({'messages': [...]} per line; the target writes "
+        "the answers), instead of the built-in prompts; use its own --work-dir",
     )
     parser.add_argument("--max-tokens", type=int, default=128, help="answer length per prompt")
     parser.add_argument(
@@ -262,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.follow_up_fraction,
                 data_only=args.data_only,
                 resume=args.resume,
+                dataset=args.dataset,
             ),
             indent=2,
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
 import random
 import re
@@ -138,6 +139,41 @@ def build_prompts(seed: int = 0, eval_fraction: float = 0.1) -> tuple[list[Chat]
     random.Random(seed).shuffle(chats)
     train = [c for c in chats if not is_eval(c, eval_fraction)]
     evals = [c for c in chats if is_eval(c, eval_fraction)]
+    return train, evals
+
+
+def read_chats(path: str, eval_fraction: float = 0.1) -> tuple[list[Chat], list[Chat]]:
+    """(train chats, eval chats) from a JSON-lines file, one chat a line: {"messages":
+    [{"role": ..., "content": ...}, ...]} or the list of messages itself (OpenAI's chat
+    format; a final assistant turn is dropped, since the target writes its own answer).
+    Held out by the same hash rule as the built-in prompts."""
+    chats: list[Chat] = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            messages = record.get("messages") if isinstance(record, dict) else record
+            ok = isinstance(messages, list) and all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role")
+                for m in messages
+            )
+            if not ok or not messages:
+                raise ValueError(
+                    f"{path}:{number}: expected {{'messages': [{{role, content}}...]}}"
+                )
+            turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+            if turns[-1]["role"] == "assistant":
+                turns = turns[:-1]
+            if turns:
+                chats.append(tuple(turns))
+    if not chats:
+        raise ValueError(f"{path}: no chats")
+    first_user = [
+        next((m["content"] for m in c if m["role"] == "user"), c[0]["content"]) for c in chats
+    ]
+    train = [c for c, t in zip(chats, first_user, strict=True) if not is_eval(t, eval_fraction)]
+    evals = [c for c, t in zip(chats, first_user, strict=True) if is_eval(t, eval_fraction)]
     return train, evals
 
 
