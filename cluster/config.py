@@ -277,7 +277,7 @@ class EngineConfig(_Frozen):
 
 
 # Flat engine arguments (vLLM's names) -> (section, field).
-_FLAT_ARGS = {
+FLAT_ENGINE_ARGS = {
     "revision": ("model", "revision"),
     "tokenizer": ("model", "tokenizer"),
     "dtype": ("model", "dtype"),
@@ -309,9 +309,11 @@ def engine_config_from_args(
     **kwargs: Any,
 ) -> EngineConfig:
     """Build an `EngineConfig` from flat keyword arguments; unknown names are refused."""
-    unknown = sorted(set(kwargs) - set(_FLAT_ARGS))
+    unknown = sorted(set(kwargs) - set(FLAT_ENGINE_ARGS))
     if unknown:
-        raise ValueError(f"unknown engine arguments: {unknown} (allowed: {sorted(_FLAT_ARGS)})")
+        raise ValueError(
+            f"unknown engine arguments: {unknown} (allowed: {sorted(FLAT_ENGINE_ARGS)})"
+        )
     sections: dict[str, dict[str, Any]] = {
         "model": {"path": model},
         "parallel": {},
@@ -321,7 +323,7 @@ def engine_config_from_args(
     }
     for name, value in kwargs.items():
         if value is not None:
-            section, field_name = _FLAT_ARGS[name]
+            section, field_name = FLAT_ENGINE_ARGS[name]
             sections[section][field_name] = value
     return EngineConfig(
         model=ModelConfig(**sections["model"]),

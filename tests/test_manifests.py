@@ -15,7 +15,12 @@ from cluster.actors import PlacementConfig, WorkerSlot, rank_order
 from cluster.actors.placement import rendezvous_host
 from cluster.cli import main
 from cluster.serve import GenerateRequest, ManifestError, validate_manifest
-from cluster.serve.manifest import deployment_plan, parse_manifest
+from cluster.serve.manifest import (
+    deployment_plan,
+    load_manifest,
+    parse_manifest,
+    read_manifest_args,
+)
 from cluster.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 MANIFESTS = os.path.join(os.path.dirname(__file__), "..", "cluster", "manifests")
@@ -221,3 +226,52 @@ def test_api_key_from_the_environment_is_never_silently_missing(monkeypatch):
     monkeypatch.setenv("CLUSTER_TEST_KEY", "sk-1")
     assert server.resolved_api_key() == "sk-1"
     assert ServerArgs().resolved_api_key() is None  # no key configured: open
+
+
+RAY_SERVE_LLM = """
+applications:
+- name: llm_app
+  route_prefix: /
+  import_path: ray.serve.llm:build_openai_app
+  args:
+    llm_configs:
+    - model_loading_config:
+        model_id: smol
+        model_source: {path}
+      engine_kwargs:
+        tensor_parallel_size: 2
+        max_model_len: 512
+        enable_prefix_caching: true
+        speculative_config: {{method: ngram, num_speculative_tokens: 3}}
+      deployment_config:
+        autoscaling_config: {{min_replicas: 1, max_replicas: 2}}
+        max_ongoing_requests: 16
+"""
+
+
+def test_ray_serve_llm_manifests_are_read_as_ours(tmp_path, smollm2_path):
+    """Ray Serve LLM's `llm_configs` shape: each field we support lands where ours would
+    put it; each one we do not is named in the error."""
+    path = tmp_path / "serve_llm.yaml"
+    path.write_text(RAY_SERVE_LLM.format(path=smollm2_path))
+    manifest = load_manifest(str(path))
+    args = manifest.args
+    assert (args.served_model_name, args.model.path) == ("smol", smollm2_path)
+    assert (args.parallel.tensor_parallel_size, args.model.max_model_len) == (2, 512)
+    assert args.cache.enable_prefix_caching and args.speculative["method"] == "ngram"
+    options = manifest.deployments["LLMServer"]
+    assert options["autoscaling_config"]["max_replicas"] == 2
+    assert options["max_ongoing_requests"] == 16
+    assert read_manifest_args(str(path)).model.id == "smol"  # the offline engine's view
+    for old, new, named in [
+        ("max_model_len: 512", "quantization: fp8", "quantization"),
+        ("model_id: smol", "model_id: smol\n        bucket_uri: s3://x", "bucket_uri"),
+        (
+            "      deployment_config:",
+            "      runtime_env: {}\n      deployment_config:",
+            "runtime_env",
+        ),
+    ]:
+        path.write_text(RAY_SERVE_LLM.format(path=smollm2_path).replace(old, new))
+        with pytest.raises(ManifestError, match=named):
+            load_manifest(str(path))

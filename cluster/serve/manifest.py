@@ -1,5 +1,7 @@
 """Manifests: Serve config files (`serve run` / `serve deploy` accept them as they are)
-whose application has `import_path: cluster.serve:build_app`.
+whose application has `import_path: cluster.serve:build_app`. Ray Serve LLM's shape
+(`args.llm_configs`, under its import path or ours) is read as ours
+(`serve_llm_config.py`), so `cluster serve` takes a Ray Serve LLM manifest as it is.
 
 `load_manifest` checks everything that needs no model and no cluster: the Serve schema,
 our `args` (unknown keys, k = 0, ...), and the `deployments:` overrides (known names and
@@ -21,6 +23,11 @@ import yaml
 from pydantic import ValidationError
 
 from cluster.serve.args import ClusterArgs
+from cluster.serve.serve_llm_config import (
+    RAY_SERVE_LLM_IMPORT_PATHS,
+    from_serve_llm,
+    is_serve_llm_args,
+)
 
 IMPORT_PATH = "cluster.serve:build_app"
 LLM_DEPLOYMENT = "LLMServer"
@@ -116,10 +123,21 @@ def parse_manifest(config: dict[str, Any], path: str = "<manifest>") -> Manifest
     app = _our_application(config, path)
     raw_args = app.get("args") or {}
     deployments: dict[str, dict[str, Any]] = {}
+    if is_serve_llm_args(raw_args):  # Ray Serve LLM's shape: read as ours
+        try:
+            raw_args, options = from_serve_llm(raw_args)
+        except ValueError as e:
+            raise ManifestError(f"{path}: {e}") from None
+        if options:
+            deployments[LLM_DEPLOYMENT] = options
     for entry in app.get("deployments") or []:
-        options = {k: v for k, v in entry.items() if k != "name"}
-        _check_deployment(entry["name"], options, path)
+        options = {
+            **deployments.get(entry["name"], {}),
+            **{k: v for k, v in entry.items() if k != "name"},
+        }
         deployments[entry["name"]] = options
+    for name, options in deployments.items():
+        _check_deployment(name, options, path)
     return Manifest(
         path=path,
         app_name=app.get("name", "default"),
@@ -132,7 +150,8 @@ def parse_manifest(config: dict[str, Any], path: str = "<manifest>") -> Manifest
 
 
 def _our_application(config: dict[str, Any], path: str) -> dict[str, Any]:
-    apps = [a for a in config.get("applications") or [] if a.get("import_path") == IMPORT_PATH]
+    ours = (IMPORT_PATH, *RAY_SERVE_LLM_IMPORT_PATHS)
+    apps = [a for a in config.get("applications") or [] if a.get("import_path") in ours]
     if len(apps) != 1:
         raise ManifestError(
             f"{path}: expected exactly one application with import_path {IMPORT_PATH!r}, "
@@ -155,8 +174,13 @@ def load_manifest(path: str) -> Manifest:
 
 def read_manifest_args(path: str) -> ClusterArgs:
     """Only the application's `args`, validated, without Ray (for the offline engine)."""
-    config = _read_yaml(path)
-    return _validate_args(_our_application(config, path).get("args") or {}, path)
+    raw = _our_application(_read_yaml(path), path).get("args") or {}
+    if is_serve_llm_args(raw):
+        try:
+            raw = from_serve_llm(raw)[0]
+        except ValueError as e:
+            raise ManifestError(f"{path}: {e}") from None
+    return _validate_args(raw, path)
 
 
 def validate_manifest(path: str) -> tuple[Manifest, bool]:
