@@ -251,7 +251,8 @@ def write_all(root: str, target_path: str, seed: int = 0) -> dict[str, dict[str,
             "method": "mtp",
             "model": write_qwen3_next_mtp(f"{root}/mtp_qn", target_path, seed=seed),
         },
-        "ngram": {"method": "ngram"},
+        # any re-occurring token drafts (vLLM's default window is 5..5)
+        "ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4},
         "draft_model": {
             "method": "draft_model",
             "model": write_draft_lm(f"{root}/draft_lm", target_path, seed),
