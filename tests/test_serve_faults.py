@@ -95,7 +95,7 @@ SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=3)
 INVALID = [
     ("temperature", {"temperature": -1}),
     ("top_p", {"top_p": 0}),
-    ("top_k zero", {"top_k": 0}),
+    ("top_k below -1", {"top_k": -2}),  # 0 and -1 mean off, as in vLLM
     ("top_k overflow", {"top_k": 10**30}),
     ("max_tokens zero", {"max_tokens": 0}),
     ("max_tokens past the context", {"max_tokens": 10**6}),

@@ -40,16 +40,16 @@ def setup(tmp_path_factory, smollm2_path):
     ]
     aux = eagle3_aux_layers(6)
     store = store_in_parts(str(root / "answers"), samples, part_size=2)
-    cache_features(target, store, aux, str(root / "features"))
+    cache_features(target, store, aux, str(root / "features"), dtype="float32")
     return target, hf, root, samples
 
 
 def test_features_are_the_engines_aux_states(setup):
-    """Stored in the engine's dtype (bfloat16 on CPUs built for it), as the engine's own
-    model computes them."""
+    """As the engine's own model computes them (float32 here, stored as float16; bfloat16
+    parts keep their bits: tests/test_train_resume.py)."""
     target, _, root, samples = setup
     shards = load_shards(str(root / "features"))
-    config = ModelConfig(path=target)
+    config = ModelConfig(path=target, dtype="float32")  # the dtype the fixture's cache used
     model = load_model(config, ParallelState.single(), show_progress=False)
     ids = torch.tensor(samples[1].token_ids)
     with torch.no_grad():
@@ -194,10 +194,16 @@ def test_short_training_lowers_the_loss_and_stays_lossless(setup):
             == base
         )
     # resuming from the last checkpoint trains no further epochs and exports the same head
+    # without resume=True the finished run's checkpoint is refused, not overwritten
+    with pytest.raises(ValueError, match="--resume"):
+        train_eagle3(
+            hf.config, embed, hf.lm_head.weight.detach(), str(root / "features"), None, out, config
+        )
     again = train_eagle3(
-        hf.config, embed, hf.lm_head.weight.detach(), str(root / "features"), None, out, config
-    )
-    assert again["history"] == []
+        hf.config, embed, hf.lm_head.weight.detach(), str(root / "features"), None, out, config,
+        resume=True,
+    )  # fmt: skip
+    assert again["history"] == result["history"]  # no epoch left: the stored history
 
 
 def test_an_exported_head_imports_back_to_the_same_weights(setup, tmp_path):

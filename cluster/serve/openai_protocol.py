@@ -78,7 +78,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "functions": ("function calling is not supported", _off),
     "function_call": ("function calling is not supported", _off),
     "audio": ("audio output is not supported", _off),
-    "modalities": ("text only", lambda v: v is None or list(v) == ["text"]),
+    "modalities": ("text only", lambda v: v is None or v == ["text"]),
     "prediction": ("predicted outputs are not supported", _off),
     "web_search_options": ("web search is not supported", _off),
     "reasoning_effort": ("no reasoning settings here", _off),
