@@ -1,84 +1,46 @@
 """`SpeculativeConfig`: which draft proposes tokens, and how many per step.
 
-Methods: "eagle" (EAGLE-1 or the normalised-fusion EAGLE), "eagle3", "mtp" (DeepSeek-
-or Qwen3-Next-style heads, usually inside the target checkpoint), "ngram" (prompt
-lookup) and "draft_model" (a separate small LM with the same tokenizer). When `method`
-is not given it is detected from the draft checkpoint: its `architectures` and the
-names of its tensors (safetensors headers or memory-mapped `.bin` files: no weights are
-read). A checkpoint with an `fc` over [embedding, hidden] is EAGLE-1, whatever its
-`architectures` says (the public EAGLE-1 heads say `LlamaForCausalLM`).
+`method` names a registered draft method (`cluster/methods/`: "eagle", "eagle3", "mtp",
+"draft_model", "ngram", or vLLM's spellings of them). When it is not given, the method
+is the one that recognises the draft checkpoint at `model` by its `architectures` and
+the names of its tensors (no weights are read). What differs between methods (checks
+against the target, loading, proposing) is the method's; this module holds what all
+share: the number of drafts, trees, the n-gram window, hybrid drafting, confidence.
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import os
 from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.architectures import RECURRENT_ARCHITECTURES
-from cluster.checkpoints import checkpoint_tensor_shapes
+from cluster.draft_registry import (
+    DraftMethod,
+    canonical_method_name,
+    detect_draft,
+    read_draft_config,
+)
+from cluster.draft_registry import (
+    draft_method as method_named,
+)
 from cluster.draft_tree import max_tree_nodes
 from cluster.hub import is_hub_id, resolve_model_path
-
-Method = Literal["eagle", "eagle3", "mtp", "ngram", "draft_model"]
-DraftKind = Literal[
-    "eagle", "eagle_norm_fusion", "eagle3", "mtp_deepseek", "mtp_qwen3_next", "ngram", "draft_model"
-]
-
-
-def _read_config(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
-
-
-def detect_draft_kind(path: str) -> DraftKind:
-    """What kind of draft the checkpoint at `path` holds."""
-    names = checkpoint_tensor_shapes(path)
-    archs = " ".join(_read_config(path).get("architectures") or [])
-    if "Eagle3" in archs or any(n.startswith("midlayer.") for n in names):
-        return "eagle3"
-    if any(n.startswith("mtp.") for n in names):
-        return "mtp_qwen3_next"
-    if any(".eh_proj." in n and n.startswith("model.layers.") for n in names):
-        return "mtp_deepseek"
-    if "eh_proj.weight" in names:
-        return "eagle_norm_fusion"
-    if "fc.weight" in names or "Eagle" in archs:
-        return "eagle"
-    return "draft_model"
-
-
-_METHOD_OF_KIND: dict[str, str] = {
-    "eagle": "eagle",
-    "eagle_norm_fusion": "eagle",
-    "eagle3": "eagle3",
-    "mtp_deepseek": "mtp",
-    "mtp_qwen3_next": "mtp",
-    "ngram": "ngram",
-    "draft_model": "draft_model",
-}
-
 
 BUILTIN_PREFIX = "builtin:"
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram window when neither end is given
 
 # vLLM's speculative_config keys and values that mean what one of ours means, so a vLLM
-# config works as it is (docs/speculative.md has the table). Keys vLLM has and we do not
-# are refused by name, as any unknown key is.
-VLLM_METHODS = {"deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp", "[ngram]": "ngram"}
+# config works as it is (docs/speculative.md has the table; vLLM's method names are the
+# methods' aliases). Keys vLLM has and we do not are refused by name, as any unknown is.
 VLLM_DRAFT_SAMPLE_METHODS = {"greedy": "greedy", "probabilistic": "sample"}
 
 
 def from_vllm(data: dict[str, Any]) -> dict[str, Any]:
     """`data` with vLLM's spellings turned into ours (a ValueError names a bad value)."""
     data = dict(data)
-    method = data.get("method")
-    if isinstance(method, str) and method in VLLM_METHODS:
-        data["method"] = VLLM_METHODS[method]
     if "draft_sample_method" in data:
         value = data.pop("draft_sample_method")
         if value not in VLLM_DRAFT_SAMPLE_METHODS:
@@ -179,7 +141,9 @@ class TreeConfig(BaseModel):
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
-    method: Method | None = None
+    # A registered draft method's name or alias (`cluster.draft_registry`); None: the one
+    # that recognises the checkpoint at `model`.
+    method: str | None = None
     # The draft checkpoint folder; for "mtp" it defaults to the target's own checkpoint.
     model: str | None = None
     num_speculative_tokens: int = Field(ge=1, le=64)
@@ -213,6 +177,8 @@ class SpeculativeConfig(BaseModel):
         if not isinstance(data, dict):
             return data
         data = from_vllm(data)
+        if isinstance(data.get("method"), str):
+            data["method"] = canonical_method_name(data["method"])
         lookup_min, lookup_max = data.get("prompt_lookup_min"), data.get("prompt_lookup_max")
         data["prompt_lookup_min"] = lookup_min or lookup_max or DEFAULT_PROMPT_LOOKUP
         data["prompt_lookup_max"] = lookup_max or lookup_min or DEFAULT_PROMPT_LOOKUP
@@ -242,26 +208,28 @@ class SpeculativeConfig(BaseModel):
             )
         if self.method is None and self.model is None:
             raise ValueError("speculative.method or speculative.model is required")
-        if self.method == "ngram" and self.model not in (None, "ngram"):
-            raise ValueError("speculative.model must be unset for method='ngram'")
+        source = method_named(self.method).draft_source if self.method is not None else None
+        if source == "none" and self.model not in (None, "ngram"):
+            raise ValueError(f"speculative.model must be unset for method={self.method!r}")
         if self.model not in (None, "ngram"):
             if not os.path.isfile(os.path.join(self.model, "config.json")):
                 raise ValueError(
                     f"speculative.model={self.model!r} is not a folder with config.json"
                 )
-            if self.method is not None and self.method != _METHOD_OF_KIND[self.draft_kind]:
+            detected, kind = detect_draft(self.model)
+            if self.method is not None and self.method != detected.name:
                 raise ValueError(
                     f"speculative.method={self.method!r} does not match the draft checkpoint "
-                    f"{self.model!r}, which holds a {self.draft_kind!r} draft"
+                    f"{self.model!r}, which holds a {kind!r} draft"
                 )
-        elif self.method in ("eagle", "eagle3", "draft_model"):
+        elif source == "model":
             raise ValueError(f"speculative.model is required for method={self.method!r}")
         if self.tree is not None:
             self._check_tree(self.tree)
         if self.hybrid_lookup_min is not None:
             self._check_hybrid(self.hybrid_lookup_min)
         if self.min_draft_confidence is not None:
-            if self.resolved_method == "ngram":
+            if not self.has_draft_model:
                 raise ValueError(
                     "speculative.min_draft_confidence needs a draft model (lookup drafts "
                     "have no probabilities)"
@@ -271,10 +239,11 @@ class SpeculativeConfig(BaseModel):
                     "speculative.min_draft_confidence applies to chains; a tree has its own "
                     "budget (tree.num_nodes)"
                 )
+        self.draft_method.check(self)
         return self
 
     def _check_hybrid(self, min_match: int) -> None:
-        if self.resolved_method == "ngram":
+        if not self.has_draft_model:
             raise ValueError(
                 "speculative.hybrid_lookup_min needs a draft model (method='ngram' is lookup only)"
             )
@@ -290,7 +259,7 @@ class SpeculativeConfig(BaseModel):
 
     def _check_tree(self, tree: TreeConfig) -> None:
         k = self.num_speculative_tokens
-        if self.resolved_method == "ngram":
+        if not self.has_draft_model:
             raise ValueError("speculative.tree needs a draft model (n-gram lookup drafts chains)")
         if self.adaptive:
             raise ValueError("speculative.tree and speculative.adaptive cannot be combined yet")
@@ -313,68 +282,42 @@ class SpeculativeConfig(BaseModel):
             )
 
     @cached_property
-    def draft_kind(self) -> DraftKind:
-        if self.model in (None, "ngram"):
-            if self.method == "mtp":
-                raise ValueError("the MTP draft kind needs the target path: use draft_kind_for")
-            return "ngram"
-        return detect_draft_kind(self.model)
+    def draft_method(self) -> DraftMethod:
+        """The registered method this config runs."""
+        if self.method is not None:
+            return method_named(self.method)
+        return method_named("ngram") if self.model == "ngram" else detect_draft(self.model)[0]
 
     @property
     def resolved_method(self) -> str:
-        if self.method is not None:
-            return self.method
-        return "ngram" if self.model == "ngram" else _METHOD_OF_KIND[self.draft_kind]
+        return self.draft_method.name
+
+    @property
+    def has_draft_model(self) -> bool:
+        """Whether drafts come from a model (with probabilities), not from lookup."""
+        return self.draft_method.draft_source != "none"
 
     def draft_path(self, target_path: str) -> str | None:
-        """The checkpoint holding the draft weights (None for n-gram)."""
-        if self.resolved_method == "ngram":
+        """The checkpoint holding the draft weights (None for a method without weights)."""
+        if not self.has_draft_model:
             return None
         return self.model or target_path
 
-    def draft_kind_for(self, target_path: str) -> DraftKind:
+    def draft_kind_for(self, target_path: str) -> str:
+        """The layout of the draft's checkpoint (the method's name when it has none)."""
         path = self.draft_path(target_path)
-        return "ngram" if path is None else detect_draft_kind(path)
+        return self.resolved_method if path is None else detect_draft(path)[1]
 
     def check_against_target(self, target_path: str, target_config: Any) -> None:
-        """Hidden sizes, vocabularies and heads compatible with the target (raises ValueError)."""
+        """The draft checkpoint is one this method loads and fits the target (ValueError)."""
         path = self.draft_path(target_path)
         if path is None:
             return
-        kind = self.draft_kind_for(target_path)
-        method = self.resolved_method
-        if method == "mtp" and not kind.startswith("mtp"):
-            raise ValueError(f"speculative.method='mtp' but {path!r} has no MTP heads")
-        if method != "mtp" and kind.startswith("mtp"):
-            raise ValueError(f"{path!r} holds MTP heads; use speculative.method='mtp'")
-        draft = _read_config(path)
-        hidden = int(target_config.hidden_size)
-        vocab = int(target_config.vocab_size)
-        if kind in ("eagle", "eagle_norm_fusion", "eagle3"):
-            if int(draft["hidden_size"]) != hidden:
-                raise ValueError(
-                    f"the draft's hidden_size={draft['hidden_size']} differs from the target's "
-                    f"hidden_size={hidden}"
-                )
-            if int(draft.get("target_hidden_size") or hidden) != hidden:
-                raise ValueError(
-                    f"the draft expects target_hidden_size={draft['target_hidden_size']}, the "
-                    f"target has {hidden}"
-                )
-        if kind == "draft_model" and set(draft.get("architectures") or []) & set(
-            RECURRENT_ARCHITECTURES
-        ):
+        method = self.draft_method
+        detected, kind = detect_draft(path)
+        if kind not in method.kinds:
             raise ValueError(
-                f"the draft model {path!r} has recurrent layers; a draft LM must be "
-                "attention-only (its states are not kept per verified token)"
+                f"speculative.method={method.name!r} but {path!r} has no {method.name!r} "
+                f"draft (it holds a {kind!r} draft: use speculative.method={detected.name!r})"
             )
-        if kind == "eagle3" and int(draft.get("draft_vocab_size") or vocab) > vocab:
-            raise ValueError("the draft vocabulary is larger than the target's")
-        if (
-            kind in ("eagle", "eagle_norm_fusion", "draft_model")
-            and int(draft["vocab_size"]) != vocab
-        ):
-            raise ValueError(
-                f"the draft's vocab_size={draft['vocab_size']} differs from the target's "
-                f"vocab_size={vocab} (the draft must share the target's tokenizer)"
-            )
+        method.check_target(kind, read_draft_config(path), target_config)

@@ -56,7 +56,7 @@ def _engine_drafts(target, spec, k=K):
             use_tqdm=False,
         )
         _batch, proposal = recorder.calls[0]
-        return worker.draft_head, out[0].outputs[0].token_ids[0], proposal.token_ids[0]
+        return worker.draft, out[0].outputs[0].token_ids[0], proposal.token_ids[0]
 
 
 @torch.no_grad()
@@ -125,7 +125,7 @@ def test_checkpoint_layouts_load(setup):
             num_kv_blocks=32,
             speculative_config={**specs[kind], "num_speculative_tokens": 2},
         ) as llm:
-            draft = llm.engine.core.executor.worker.draft_head
+            draft = llm.engine.core.executor.worker.draft
             file = "mtp.safetensors" if kind.startswith("mtp") else "model.safetensors"
             saved = load_file(f"{specs[kind]['model']}/{file}")[tensor]
             params = dict(draft.named_parameters())
@@ -151,7 +151,7 @@ def test_eagle3_d2t_direction_and_prenorm_hidden(setup):
         num_kv_blocks=32,
         speculative_config={**specs["eagle3"], "num_speculative_tokens": 2},
     ) as llm:
-        draft = llm.engine.core.executor.worker.draft_head
+        draft = llm.engine.core.executor.worker.draft
     d2t = load_file(f"{specs['eagle3']['model']}/model.safetensors")["d2t"]
     hidden = torch.randn(3, draft.config.hidden_size)
     with torch.no_grad():
@@ -181,7 +181,7 @@ def test_mtp_layer_per_step(setup):
         num_kv_blocks=32,
         speculative_config={**specs["mtp_deepseek"], "num_speculative_tokens": 3},
     ) as llm:
-        draft = llm.engine.core.executor.worker.draft_head
+        draft = llm.engine.core.executor.worker.draft
     assert draft.num_attention_layers == 2
     ids, hidden = torch.tensor([3, 4]), torch.randn(2, draft.config.hidden_size)
     with torch.no_grad():
@@ -213,7 +213,7 @@ def test_proposer_runs_pass_s_with_step_s(setup):
         num_kv_blocks=32,
         speculative_config={**specs["mtp_deepseek"], "num_speculative_tokens": 3},
     ) as llm:
-        draft = llm.engine.core.executor.worker.draft_head
+        draft = llm.engine.core.executor.worker.draft
         kinds, steps = [], []
         forward, compute_logits = draft.forward, draft.compute_logits
 
@@ -292,7 +292,7 @@ def test_drafts_after_partial_acceptance_equal_a_recompute(setup, kind):
         worker.runner.proposer = steered
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
         accepted = llm.get_metrics()["acceptance_per_position"]
-        draft = worker.draft_head
+        draft = worker.draft
     assert [o.outputs[0].token_ids for o in outs] == base
     assert 0 < accepted[0] < 1 and accepted[-1] > 0  # steps accepted some, none and all drafts
     aux = getattr(draft, "aux_layers", None)

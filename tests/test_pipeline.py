@@ -9,7 +9,7 @@ from tiny_models import VARIANTS, hf_logits, make_tiny_chat_model, make_tiny_lla
 
 from cluster import LLM, SamplingParams
 from cluster.config import ModelConfig, SpeculativeConfig, stage_layer_counts
-from cluster.models.loader import load_draft_head, load_model
+from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
 from cluster.parallel.pipeline import StageActivations
 from cluster.spec_decode.random_heads import write_all, write_deepseek_mtp, write_eagle
@@ -88,7 +88,9 @@ def test_last_stage_gets_the_embedding_a_draft_shares(tmp_path, tied):
     last = _stage(path, 1, 2)
     assert last.model.embed_tokens is None
     spec = SpeculativeConfig(**specs["eagle"], num_speculative_tokens=2)
-    draft = load_draft_head(spec, ModelConfig(path=path, dtype="float32"), last, last.state)
+    draft = spec.draft_method.load_draft(
+        spec, ModelConfig(path=path, dtype="float32"), last, last.state
+    )
     embed = last.model.embed_tokens
     assert draft.embed_tokens is embed
     vocab = hf.config.vocab_size

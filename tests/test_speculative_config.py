@@ -95,7 +95,7 @@ def test_mtp_heads_default_to_the_target_checkpoint(setup):
         speculative_config={"method": "mtp", "num_speculative_tokens": 1},
     )
     assert cfg.speculative.draft_path(cfg.model.path) == specs["mtp_deepseek"]["model"]
-    with pytest.raises(ValueError, match="has no MTP heads"):
+    with pytest.raises(ValueError, match=r"has no 'mtp' draft"):
         engine_config_from_args(
             target, speculative_config={"method": "mtp", "num_speculative_tokens": 1}
         )

@@ -11,7 +11,7 @@ from tiny_models import make_tiny_chat_model
 from cluster import LLM, SamplingParams
 from cluster.config import ModelConfig
 from cluster.models.eagle3 import eagle3_aux_layers
-from cluster.models.loader import load_draft_head, load_model
+from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
 from cluster.speculative_config import SpeculativeConfig
 from cluster.train.dataset import Sample, cache_features
@@ -79,8 +79,9 @@ def test_trainable_equals_the_inference_head_with_teacher_forcing(setup):
     state = ParallelState.single()
     model_config = ModelConfig(path=target, dtype="float32")
     engine_target = load_model(model_config, state, show_progress=False)
-    head = load_draft_head(
-        SpeculativeConfig(model=str(out), num_speculative_tokens=3),
+    spec = SpeculativeConfig(model=str(out), num_speculative_tokens=3)
+    head = spec.draft_method.load_draft(
+        spec,
         model_config,
         engine_target,
         state,

@@ -11,7 +11,7 @@ from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
 from cluster.config import ModelConfig
-from cluster.models.loader import load_draft_head, load_model
+from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
 from cluster.speculative_config import SpeculativeConfig
 from cluster.train.dataset import Sample, cache_features
@@ -137,8 +137,9 @@ def test_trainable_equals_the_inference_head_with_teacher_forcing(setup, method)
     export(trainable, hf.config, str(out), dtype=torch.float32)
     state = ParallelState.single()
     model_config = ModelConfig(path=target, dtype="float32")
-    head = load_draft_head(
-        SpeculativeConfig(method=method, model=str(out), num_speculative_tokens=3),
+    spec = SpeculativeConfig(method=method, model=str(out), num_speculative_tokens=3)
+    head = spec.draft_method.load_draft(
+        spec,
         model_config,
         load_model(model_config, state, show_progress=False),
         state,

@@ -195,7 +195,7 @@ def test_trees_after_partial_acceptance_equal_a_recompute(target, baseline, kind
         runner = llm.engine.core.executor.worker.runner
         runner.proposer = steer(runner.proposer)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-        draft = llm.engine.core.executor.worker.draft_head
+        draft = llm.engine.core.executor.worker.draft
     assert [o.outputs[0].token_ids for o in outs] == baseline
     calls = steered[0].calls
     assert len(calls) > 20

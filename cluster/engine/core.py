@@ -55,7 +55,7 @@ class EngineCore:
         spec = config.speculative
         # Drafts that run their own passes (all but n-gram) write KV ahead of the step.
         lookahead = 0
-        if spec is not None and spec.resolved_method != "ngram":
+        if spec is not None and spec.draft_method.kv_cache != "none":
             lookahead = spec.num_speculative_tokens
             if spec.tree is not None:  # scratch slots for the nodes fed while growing trees
                 lookahead = max(lookahead, spec.tree.num_fed(lookahead) + 1)

@@ -20,10 +20,9 @@ from cluster.checkpoints import checkpoint_tensor_shapes, iterate_tensors
 from cluster.config import ModelConfig
 from cluster.models.draft_base import DraftModel
 from cluster.models.fp8 import block_size_of, dequantizing
-from cluster.models.registry import draft_class_for, model_class_for
+from cluster.models.registry import model_class_for
 from cluster.parallel import ParallelState
 from cluster.parallel.weights import LazyTensor, default_weight_loader
-from cluster.speculative_config import SpeculativeConfig
 
 
 def iterate_checkpoint(path: str, stack: ExitStack) -> Iterator[LazyTensor]:
@@ -124,21 +123,18 @@ def load_model(
 
 
 def load_draft_head(
-    speculative: SpeculativeConfig,
+    cls: type[DraftModel],
+    path: str,
     model_config: ModelConfig,
     target: nn.Module,
     state: ParallelState,
 ) -> DraftModel:
-    """Build and load an EAGLE / EAGLE-3 / MTP head for `target`, sharing its embedding and
-    LM head as the method requires."""
+    """Build a draft head of class `cls` for `target` and load it from `path`, sharing
+    the target's embedding and LM head as the head requires."""
     from transformers import AutoConfig
 
-    path = speculative.draft_path(model_config.path)
-    assert path is not None
-    kind = speculative.draft_kind_for(model_config.path)
     names = set(checkpoint_tensor_shapes(path))
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    cls = draft_class_for(kind)
     with torch.device(state.device):
         draft = cls(config, model_config.hf_config, state, model_config.torch_dtype, names)
     load_weights(draft, path, show_progress=False)

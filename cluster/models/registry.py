@@ -34,21 +34,3 @@ def supported_architectures() -> list[str]:
 
 def model_class_for(hf_config: Any) -> type[nn.Module]:
     return _ARCHITECTURES[architecture_of(hf_config)]
-
-
-def draft_class_for(kind: str) -> type[nn.Module]:
-    """The draft head class for a `SpeculativeConfig` draft kind."""
-    from cluster.models.eagle import EagleLlama, EagleNormFusionLlama
-    from cluster.models.eagle3 import Eagle3Llama
-    from cluster.models.mtp import DeepSeekMTP, Qwen3NextMTP
-
-    classes: dict[str, type[nn.Module]] = {
-        "eagle": EagleLlama,
-        "eagle_norm_fusion": EagleNormFusionLlama,
-        "eagle3": Eagle3Llama,
-        "mtp_deepseek": DeepSeekMTP,
-        "mtp_qwen3_next": Qwen3NextMTP,
-    }
-    if kind not in classes:
-        raise ValueError(f"draft kind {kind!r} has no draft head class (known: {sorted(classes)})")
-    return classes[kind]

@@ -32,6 +32,7 @@ from cluster.draft_tree import Candidate, DraftTree, select_tree
 from cluster.models.attention import AttentionMetadata, KVCache, attention_context
 from cluster.sample.randomness import draw_inv_exponentials
 from cluster.sampling_params import SamplingParams
+from cluster.speculative_config import SpeculativeConfig
 
 # forward(input_ids [m], hidden [m, H] | None, positions [m], step)
 #   -> (logits [m, vocab], next hidden | None); run inside the pass's attention context.
@@ -54,6 +55,14 @@ class TreeShape:
         """Static trees: the ranks of the children of the node at `path`."""
         assert self.paths is not None
         return sorted({p[-1] for p in self.paths if len(p) == len(path) + 1 and p[:-1] == path})
+
+    @classmethod
+    def of(cls, spec: SpeculativeConfig) -> TreeShape | None:
+        """The tree `spec` drafts, or None for chains."""
+        tree = spec.tree
+        if tree is None:
+            return None
+        return cls(spec.num_speculative_tokens, tree.topk, tree.size, tree.paths)
 
 
 @dataclass

@@ -19,14 +19,12 @@ from collections.abc import Iterator
 
 import torch
 
-from cluster.models.eagle3 import eagle3_aux_layers
+from cluster.draft_registry import draft_method, draft_methods
 from cluster.train.dataset import answer_with_follow_ups, cache_features, feature_dirs
-from cluster.train.eagle_mtp_trainer import train_chain_head
 from cluster.train.feature_store import load_shards
+from cluster.train.inputs import TrainInputs
 from cluster.train.prompts import build_prompts, read_chats
-from cluster.train.trainer import TrainConfig, train_eagle3
-
-METHODS = ("eagle3", "eagle", "mtp")
+from cluster.train.trainer import TrainConfig
 
 
 def train_draft(
@@ -51,10 +49,11 @@ def train_draft(
 
     model_config = ModelConfig(path=target, dtype="float32")
     hf = model_config.hf_config
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r} (one of {METHODS})")
-    # EAGLE-3 reads three aux residual streams; EAGLE-1 and MTP the final hidden state
-    aux = eagle3_aux_layers(int(hf.num_hidden_layers)) if method == "eagle3" else ()
+    draft = draft_method(method)
+    if not draft.trainable:
+        raise ValueError(f"method {method!r} has no trainer (trainable: {trainable_methods()})")
+    # the target layers the draft reads (EAGLE-3: three), or () for the final hidden state
+    aux = draft.target_layers(hf)
     if dataset is not None:  # the user's chats (JSON lines), split by the same hash rule
         train_chats, eval_chats = read_chats(dataset)
     else:
@@ -79,7 +78,7 @@ def train_draft(
             )  # fmt: skip
         dirs[split] = []
         for store in stores:
-            feature_dir = feature_dirs(work_dir, store)[0 if method == "eagle3" else 1]
+            feature_dir = feature_dirs(work_dir, store)[0 if aux else 1]
             with timings.stage("features"):
                 cache_features(target, os.path.join(answers_dir, store), aux, feature_dir)
             dirs[split].append(feature_dir)
@@ -95,17 +94,13 @@ def train_draft(
         head = f.get_tensor("lm_head.weight").float() if "lm_head.weight" in f.keys() else embed  # noqa: SIM118
         final_norm = f.get_tensor("model.norm.weight").float()
     with timings.stage("train"):
-        if method == "eagle3":
-            result = train_eagle3(
-                hf, embed, head, dirs["train"], dirs["eval"], out_dir, config, run_dir, resume
-            )
-        else:
-            result = train_chain_head(
-                method, hf, embed, head, final_norm, dirs["train"], dirs["eval"], out_dir,
-                config, run_dir, resume,
-            )  # fmt: skip
+        inputs = TrainInputs(
+            hf, embed, head, final_norm, dirs["train"], dirs["eval"], out_dir, config,
+            run_dir, resume,
+        )  # fmt: skip
+        result = draft.train(inputs)
     recipe = {
-        "method": method,
+        "method": draft.name,
         "target": os.path.basename(os.path.normpath(target)),
         "train_prompts": counts["train"][0],
         "train_answer_tokens": counts["train"][1],
@@ -120,6 +115,10 @@ def train_draft(
     with open(os.path.join(out_dir, "recipe.json"), "w") as f:
         json.dump(recipe, f, indent=2)
     return recipe
+
+
+def trainable_methods() -> list[str]:
+    return [m.name for m in draft_methods() if m.trainable]
 
 
 class _StageTimes:
@@ -150,8 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--method",
         default="eagle3",
-        choices=METHODS,
-        help="eagle3 (default), eagle (EAGLE-1) or mtp (DeepSeek-style MTP, one module)",
+        choices=trainable_methods(),
+        help="a draft method with a trainer: eagle3 (default), eagle (EAGLE-1), mtp "
+        "(DeepSeek-style MTP, one module)",
     )
     parser.add_argument("--target", default=None, help="HF folder (default: the embedded SmolLM2)")
     parser.add_argument("--out", required=True, help="where the head is written")

@@ -7,28 +7,22 @@ scheduler outputs travel.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
 import torch
 from torch import nn
 
-from cluster.config import EngineConfig, ModelConfig
+from cluster.config import EngineConfig
 from cluster.engine.messages import SchedulerOutput
 from cluster.models.attention import AttentionLayer
 from cluster.models.compiled import CompileOptions
 from cluster.models.default_model import cache_dir
-from cluster.models.eagle3 import eagle3_aux_layers
 from cluster.models.gated_delta import RecurrentLayer, RecurrentShape
-from cluster.models.loader import load_draft_head, load_model
+from cluster.models.loader import load_model
 from cluster.parallel import ParallelState, destroy_parallel_state, init_parallel_state
 from cluster.parallel.linear import pack_linears
-from cluster.spec_decode.draft_model import DraftModelProposer
-from cluster.spec_decode.eagle import EagleProposer
 from cluster.spec_decode.hybrid import HybridProposer
-from cluster.spec_decode.ngram import NgramProposer
-from cluster.spec_decode.tree_drafting import TreeShape
 from cluster.worker.kv_cache import LayerShape, PagedKVCache
 from cluster.worker.model_runner import ModelRunner
 from cluster.worker.state_cache import RecurrentStateCache
@@ -69,32 +63,22 @@ class Worker:
         )
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.state)
-        self.draft_head: nn.Module | None = None  # EAGLE / EAGLE-3 / MTP: KV in the target's cache
-        self.draft_lm: nn.Module | None = None  # a separate draft LM: KV in its own cache
         spec = config.speculative
         # The draft, the sampler and the rejection sampler live on the last pipeline stage.
-        method = spec.resolved_method if spec is not None and self.state.is_last_stage else None
-        if method in ("eagle", "eagle3", "mtp"):
-            self.draft_head = load_draft_head(spec, config.model, self.model, self.state)
-        elif method == "draft_model":
-            draft_config = ModelConfig(
-                path=spec.model, dtype=config.model.dtype, device=config.model.device
-            )
-            # The draft LM is whole on the last stage (sharded only by TP).
-            whole = dataclasses.replace(self.state, pp_rank=0, pp_size=1, pp_layer_partition=None)
-            self.draft_lm = load_model(draft_config, whole, show_progress=False)
+        self.draft_method = spec.draft_method if spec is not None else None
+        self.draft: nn.Module | None = None
+        if spec is not None and self.draft_method is not None and self.state.is_last_stage:
+            self.draft = self.draft_method.load_draft(spec, config.model, self.model, self.state)
         # bfloat16 on CPU: every linear layer's weight prepacked for oneDNN, once, now that
         # the last weight is in (eager steps read them; compiled graphs pack their own).
-        for module in (self.model, self.draft_head, self.draft_lm):
+        for module in (self.model, self.draft):
             if module is not None:
                 pack_linears(module)
-        # EAGLE-3 reads target layers that may live on earlier stages: every stage collects
+        # The target layers a draft reads may live on earlier stages: every stage collects
         # the ones it runs.
         self.aux_hidden_layers: tuple[int, ...] = ()
-        if spec is not None and spec.resolved_method == "eagle3":
-            self.aux_hidden_layers = eagle3_aux_layers(
-                int(config.model.hf_config.num_hidden_layers)
-            )
+        if self.draft_method is not None:
+            self.aux_hidden_layers = self.draft_method.target_layers(config.model.hf_config)
         self.runner: ModelRunner | None = None
 
     @property
@@ -102,13 +86,22 @@ class Worker:
         """The one rank whose output goes back to the engine core."""
         return self.state.is_last_stage and self.state.tp_rank == 0
 
+    @property
+    def _draft_kv(self) -> str:
+        """Where this rank's draft keeps its KV ("target", "own" or "none")."""
+        return (
+            "none"
+            if self.draft is None or self.draft_method is None
+            else self.draft_method.kv_cache
+        )
+
     def _layer_shapes(self) -> tuple[dict[int, LayerShape], dict[int, LayerShape]]:
-        """(target + draft-head layers, separate draft LM layers)."""
+        """(layers in the target's cache, layers of a draft with a cache of its own)."""
         shapes = attention_layer_shapes(self.model)
-        if self.draft_head is not None:
-            shapes |= attention_layer_shapes(self.draft_head)
-        draft_lm = attention_layer_shapes(self.draft_lm) if self.draft_lm is not None else {}
-        return shapes, draft_lm
+        draft = attention_layer_shapes(self.draft) if self.draft is not None else {}
+        if self._draft_kv == "target":
+            return shapes | draft, {}
+        return shapes, draft
 
     def _state_cache_size(self) -> tuple[int, int]:
         """(slots, snapshots per slot) of the recurrent state cache: one slot per request
@@ -154,26 +147,18 @@ class Worker:
         spec = self.config.speculative
         compile_options = self._compile_options()
         proposer = None
-        if spec is not None and self.state.is_last_stage:
-            k, sample = spec.num_speculative_tokens, spec.draft_sampling == "sample"
-            tree = None
-            if spec.tree is not None:
-                tree = TreeShape(k, spec.tree.topk, spec.tree.size, spec.tree.paths)
-            if self.draft_head is not None:
-                proposer = EagleProposer(
-                    self.draft_head, kv_cache, block_size, k, sample, compile_options, tree,
-                    spec.min_draft_confidence,
-                )  # fmt: skip
-            elif self.draft_lm is not None:
+        if spec is not None and self.draft_method is not None and self.state.is_last_stage:
+            draft_kv = None
+            if self._draft_kv == "target":
+                draft_kv = kv_cache
+            elif self._draft_kv == "own":
                 draft_kv = PagedKVCache(draft_lm_shapes, num_blocks, block_size, dtype, device)
-                proposer = DraftModelProposer(
-                    self.draft_lm, draft_kv, block_size, k, sample, tree, spec.min_draft_confidence
-                )
-            else:
-                proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            proposer = self.draft_method.make_proposer(
+                spec, self.draft, draft_kv, block_size, compile_options
+            )
             if spec.hybrid_lookup_min is not None:
                 min_match, max_n = spec.hybrid_lookup_min, spec.prompt_lookup_max
-                proposer = HybridProposer(proposer, k, min_match, max_n)
+                proposer = HybridProposer(proposer, spec.num_speculative_tokens, min_match, max_n)
         self.runner = ModelRunner(
             self.model,
             kv_cache,
