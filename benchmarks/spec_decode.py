@@ -23,13 +23,16 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 import warnings
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from random_heads import write_all
+
 from cluster import LLM, SamplingParams
 from cluster.models.default_model import ensure_default_model
-from cluster.spec_decode.random_heads import write_all
 from cluster.train.prompts import build_prompts
 
 warnings.filterwarnings("ignore")

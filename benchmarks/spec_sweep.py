@@ -17,13 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 import warnings
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from random_heads import write_all
+
 from cluster import LLM, SamplingParams
 from cluster.models.default_model import ensure_default_model
-from cluster.spec_decode.random_heads import write_all
 from cluster.speculative_config import builtin_head_path
 from cluster.train.prompts import build_prompts
 

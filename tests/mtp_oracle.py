@@ -35,7 +35,7 @@ def _rewrite_target(path: str, kept: int) -> dict[str, torch.Tensor]:
 
 def make_oracle(target_path: str, mtp_path: str, style: str, kept: int) -> None:
     """Rewrite the target at `target_path` and the MTP head written by
-    `cluster.spec_decode.random_heads` at `mtp_path` (whose checkpoint links the target's
+    `random_heads` at `mtp_path` (whose checkpoint links the target's
     file). `style`: "deepseek" or "qwen3_next"."""
     weights = _rewrite_target(target_path, kept)
     mtp_file = os.path.join(mtp_path, "mtp.safetensors")

@@ -12,9 +12,9 @@ import os
 
 import pytest
 from greedy_reference import CHAT_QUESTIONS, chat_ids
+from random_heads import write_deepseek_mtp
 
 from cluster import LLM, SamplingParams
-from cluster.spec_decode.random_heads import write_deepseek_mtp
 
 QUESTIONS = [
     *CHAT_QUESTIONS,

@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 from greedy_reference import assert_greedy_equal, chat_ids, hf_greedy
+from random_heads import write_all
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
@@ -18,7 +19,6 @@ from cluster.config import CompileConfig
 from cluster.models.attention import AttentionMetadata, attention_context
 from cluster.models.compiled import CompiledForward, CompileOptions, bucket_for, cut_rows, pad_rows
 from cluster.parallel.pipeline import StageActivations
-from cluster.spec_decode.random_heads import write_all
 from cluster.worker.kv_cache import PagedKVCache
 
 ENGINE = dict(dtype="float32", max_model_len=128, num_kv_blocks=96, block_size=4)

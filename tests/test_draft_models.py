@@ -5,12 +5,12 @@ step, the direction of EAGLE-3's d2t, EAGLE-3's pre-norm hidden) are pinned down
 import pytest
 import torch
 from forward_helpers import draft_prefill, prefill
+from random_heads import write_all
 from safetensors.torch import load_file
 from steered_proposer import SteeredProposer
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
-from cluster.spec_decode.random_heads import write_all
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
 K = 4

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from random_heads import write_eagle, write_eagle3
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
-from cluster.spec_decode.random_heads import write_eagle, write_eagle3
 
 SYNC_METHODS = (
     "item",

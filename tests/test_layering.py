@@ -1,6 +1,6 @@
 """The package's layering, as `docs/architecture.md` draws it: every import of ours (those
 inside functions too) goes to a package that the importer's row of the table allows; Ray
-and Triton stay where the table says; the offline API runs without importing Ray."""
+and Triton stay where the table says; the offline API runs without importing Ray; no module imports itself in a circle."""
 
 from __future__ import annotations
 
@@ -112,3 +112,43 @@ def test_the_offline_api_imports_no_ray(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def _import_cycles() -> list[list[str]]:
+    """Circles of our modules importing one another (those inside functions too)."""
+    graph: dict[str, set[str]] = {}
+    for module, _, target in imports():
+        if target.startswith("cluster.") and target != module:
+            graph.setdefault(module, set()).add(target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in list(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_module_imports_itself_in_a_circle():
+    assert _import_cycles() == []

@@ -4,13 +4,13 @@ at every position a step samples or verifies, so speculation changes nothing."""
 import pytest
 import torch
 from pydantic import ValidationError
+from random_heads import write_all
 from tiny_models import make_tiny_chat_model
 from transformers import AutoTokenizer
 
 from cluster import LLM, SamplingParams
 from cluster.sample.metadata import MinTokens, SamplingMetadata, SpecDecodeMetadata
 from cluster.sample.processing import apply_min_tokens
-from cluster.spec_decode.random_heads import write_all
 
 ENGINE = dict(dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4)
 STOP_ID = 1000

@@ -13,6 +13,7 @@ import pytest
 import torch
 from forward_helpers import prefill
 from mtp_oracle import make_oracle
+from random_heads import write_all, write_deepseek_mtp
 from safetensors.torch import load_file, save_file
 from tiny_models import FAMILIES, hf_logits, make_tiny_family
 from tp_workers import model_logits, spawn_ranks
@@ -25,7 +26,6 @@ from cluster.models.loader import load_model
 from cluster.models.moe import experts_by_expert, experts_by_token
 from cluster.models.registry import supported_architectures
 from cluster.parallel import ParallelState
-from cluster.spec_decode.random_heads import write_all, write_deepseek_mtp
 from cluster.worker.kv_cache import PagedKVCache
 
 TOL = 1e-4

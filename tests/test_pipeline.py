@@ -5,6 +5,7 @@ giving the greedy output of PP=1."""
 import pytest
 import torch
 from forward_helpers import prefill
+from random_heads import write_all, write_deepseek_mtp, write_eagle
 from tiny_models import VARIANTS, hf_logits, make_tiny_chat_model, make_tiny_llama
 
 from cluster import LLM, SamplingParams
@@ -12,7 +13,6 @@ from cluster.config import ModelConfig, SpeculativeConfig, stage_layer_counts
 from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
 from cluster.parallel.pipeline import StageActivations
-from cluster.spec_decode.random_heads import write_all, write_deepseek_mtp, write_eagle
 
 TOL = 1e-4
 SEQ_LENS = [3, 9, 1]

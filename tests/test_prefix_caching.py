@@ -8,12 +8,12 @@ greedy tokens, and the same drafts accepted, as with caching off.
 """
 
 import pytest
+from random_heads import write_all
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
 from cluster.engine.block_manager import KVBlockManager
 from cluster.engine.request import Request
-from cluster.spec_decode.random_heads import write_all
 
 
 def computed(request_id, tokens, num_computed):

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 from pydantic import ValidationError
+from random_heads import write_all
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
-from cluster.spec_decode.random_heads import write_all
 
 # Chunks of 16 tokens: the 45-token prompt spans three, one of which also decodes.
 ENGINE = dict(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from mtp_oracle import make_oracle
+from random_heads import write_qwen3_next_mtp
 from steered_proposer import SteeredProposer
 from tiny_models import FAMILIES, make_tiny_family
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3_next
@@ -22,7 +23,6 @@ from cluster import LLM, SamplingParams
 from cluster.engine.messages import ScheduledRequest
 from cluster.models.attention import AttentionMetadata, attention_context
 from cluster.models.gated_delta import RecurrentShape, gated_delta_ref
-from cluster.spec_decode.random_heads import write_qwen3_next_mtp
 from cluster.worker.state_cache import RecurrentStateCache
 
 ENGINE = dict(

@@ -10,6 +10,7 @@ import openai
 import pytest
 import ray
 import yaml
+from random_heads import write_all
 from ray import serve
 from ray_helpers import engine_actor_names, init_local_ray, wait_for
 from tiny_models import make_tiny_chat_model
@@ -18,7 +19,6 @@ from cluster import LLM, SamplingParams
 from cluster.serve import load_manifest
 from cluster.serve.launch import deploy
 from cluster.serve.protocol import GenerateRequest
-from cluster.spec_decode.random_heads import write_all
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 6, 7], list(range(100, 127)), [9, 8, 9, 8, 9, 8, 9, 8, 9]]

@@ -84,10 +84,10 @@ def test_buckets(batch_size, bucket):
 
 @pytest.mark.parametrize("method", ["eagle3", "ngram", "draft_model"])
 def test_adaptive_engine_is_lossless(tmp_path, smollm2_path, method):
+    from random_heads import write_all
     from tiny_models import make_tiny_chat_model
 
     from cluster import LLM, SamplingParams
-    from cluster.spec_decode.random_heads import write_all
 
     target = str(tmp_path / "target")
     make_tiny_chat_model(target, smollm2_path, num_hidden_layers=4, seed=3)

@@ -8,11 +8,11 @@ draft LM, at k = 1, 3, 5, in a batch that mixes chunked prefill, decode and veri
 
 import pytest
 from greedy_reference import assert_greedy_equal, hf_greedy
+from random_heads import write_all
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
 from cluster.spec_decode.batch import DraftProposal
-from cluster.spec_decode.random_heads import write_all
 
 NEW_TOKENS = 24
 PROMPTS = [

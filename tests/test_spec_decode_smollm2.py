@@ -9,10 +9,10 @@ tests/test_spec_decode.py).
 import pytest
 import torch
 from greedy_reference import CHAT_QUESTIONS, assert_greedy_equal, hf_greedy
+from random_heads import write_all
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM, SamplingParams
-from cluster.spec_decode.random_heads import write_all
 
 NEW_TOKENS = 16
 QUESTIONS = CHAT_QUESTIONS

@@ -12,11 +12,11 @@ cells pooled to expected counts >= 5; the test fails when p < 1e-3).
 
 import pytest
 import torch
+from random_heads import write_draft_lm
 from scipy.stats import chisquare
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
-from cluster.spec_decode.random_heads import write_draft_lm
 
 N = 8000
 VOCAB = 32

@@ -6,13 +6,13 @@ import shutil
 
 import pytest
 import torch
+from random_heads import write_all
 from safetensors.torch import load_file
 from tiny_models import make_tiny_chat_model, make_tiny_llama
 
 from cluster import LLM, SamplingParams
 from cluster.config import engine_config_from_args
 from cluster.spec_decode.ngram import ngram_drafts
-from cluster.spec_decode.random_heads import write_all
 from cluster.speculative_config import SpeculativeConfig
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 from forward_helpers import draft_prefill
+from random_heads import write_all
 from steered_proposer import SteeredTreeProposer
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
 from cluster.draft_tree import Candidate, select_tree
-from cluster.spec_decode.random_heads import write_all
 
 NEW_TOKENS = 20
 PROMPTS = [

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from cluster.kernels.backend import use_triton
-from cluster.kernels.rejection import PLACEHOLDER_TOKEN_ID, RejectionInputs
+from cluster.kernels.rejection_inputs import PLACEHOLDER_TOKEN_ID, RejectionInputs
 
 _MAX_CHUNK = 4096  # vocab entries one race program reads
 

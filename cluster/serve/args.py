@@ -26,6 +26,8 @@ from cluster.config import (
 from cluster.hub import is_hub_id, resolve_model_path
 from cluster.placement_config import PlacementConfig
 
+LLM_DEPLOYMENT = "LLMServer"  # the name of the one deployment an app has
+
 Device = Literal["auto", "cpu", "cuda"]
 
 

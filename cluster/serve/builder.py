@@ -18,8 +18,7 @@ import ray
 from ray import serve
 from ray.serve import Application
 
-from cluster.serve.args import ClusterArgs
-from cluster.serve.manifest import LLM_DEPLOYMENT
+from cluster.serve.args import LLM_DEPLOYMENT, ClusterArgs
 from cluster.serve.openai_app import make_server_class
 from cluster.serve.server import LLMServer
 

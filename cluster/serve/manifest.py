@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from cluster.serve.args import ClusterArgs
+from cluster.serve.args import LLM_DEPLOYMENT, ClusterArgs
 from cluster.serve.serve_llm_config import (
     RAY_SERVE_LLM_IMPORT_PATHS,
     from_serve_llm,
@@ -30,7 +30,6 @@ from cluster.serve.serve_llm_config import (
 )
 
 IMPORT_PATH = "cluster.serve:build_app"
-LLM_DEPLOYMENT = "LLMServer"
 # Before the routes moved into LLMServer, a separate deployment served HTTP.
 FORMER_INGRESS_DEPLOYMENT = "OpenAIIngress"
 _ENGINE_OWNED = ("ray_actor_options", "placement_group_bundles", "placement_group_strategy")
