@@ -59,8 +59,8 @@ def test_worker_failure_is_reported(tmp_path, smollm2_path):
         path, tensor_parallel_size=2, dtype="float32", max_model_len=64, num_kv_blocks=16
     ) as llm:
         executor = llm.engine.core.executor
-        executor.procs[1].kill()
-        executor.procs[1].join()
+        executor.channel.procs[1].kill()
+        executor.channel.procs[1].join()
         with pytest.raises(RuntimeError, match=r"worker ranks \[1\] are dead"):
             executor.check_health()
         # a step fails with an error instead of hanging

@@ -104,13 +104,13 @@ def test_the_counter_sees_a_per_request_read(monkeypatch, models):
     with LLM(paths[2], compile="off", **ENGINE) as llm:
         one = max(count_syncs_per_step(monkeypatch, llm, 1, 0.0))
         runner = llm.engine.core.executor.worker.runner
-        sample = runner._sample
+        verify = runner._verify
 
-        def reading_sample(hidden, inputs):
+        def reading_verify(hidden, inputs):
             for row in range(len(inputs.sampled)):
                 hidden[row, 0].item()
-            return sample(hidden, inputs)
+            return verify(hidden, inputs)
 
-        runner._sample = reading_sample
+        runner._verify = reading_verify
         four = max(count_syncs_per_step(monkeypatch, llm, 4, 0.0))
     assert four == one + 4

@@ -152,3 +152,16 @@ def _import_cycles() -> list[list[str]]:
 
 def test_no_module_imports_itself_in_a_circle():
     assert _import_cycles() == []
+
+
+def test_every_module_is_under_350_lines():
+    long = []
+    for folder, _, files in os.walk(ROOT):
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(folder, file)
+                with open(path) as f:
+                    lines = sum(1 for _ in f)
+                if lines >= 350:
+                    long.append(f"{os.path.relpath(path, ROOT)}: {lines}")
+    assert not long, "split these modules (one job each):\n" + "\n".join(long)

@@ -2,7 +2,7 @@
 
 import msgpack
 
-from cluster.actors.wire import EngineStats, OutputBatch
+from cluster.actors.wire import OutputBatch
 from cluster.engine.messages import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -12,6 +12,7 @@ from cluster.engine.messages import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from cluster.engine.stats import EngineStats
 from cluster.sampling_params import SamplingParams
 
 

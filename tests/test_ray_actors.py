@@ -65,7 +65,7 @@ def test_tp2_worker_actors_match_in_process_engine(ray_session, tiny, channel):
     assert sorted(w["bundle"] for w in layout) == [0, 1]
     assert len({w["pid"] for w in layout}) == 2  # two processes, one shard each
     engine = build_engine(config, executor)
-    assert type(executor.step_channel) is CHANNELS[channel]
+    assert type(executor.channel.step_channel) is CHANNELS[channel]
     try:
         ids = [engine.next_request_id() for _ in PROMPTS]
         for request_id, prompt in zip(ids, PROMPTS, strict=True):
@@ -100,9 +100,9 @@ def test_a_rank_that_raises_fails_the_step_while_its_peer_waits_in_a_collective(
 
         worker.execute_model = failing
 
-    ray.get(executor.workers[1].__ray_call__.remote(poison))
+    ray.get(executor.channel.workers[1].__ray_call__.remote(poison))
     engine = build_engine(config, executor)
-    assert type(executor.step_channel) is CHANNELS[channel]
+    assert type(executor.channel.step_channel) is CHANNELS[channel]
     try:
         engine.add_request("poisoned-request", "hello there", GREEDY)
         start = time.monotonic()

@@ -32,10 +32,11 @@ import ray
 from cluster.actors.output_socket import read_batches
 from cluster.actors.placement import ACTOR_NAMESPACE, bundle_strategy
 from cluster.actors.scheduler_actor import SchedulerActor
-from cluster.actors.wire import EngineStats, OutputBatch, encode_request
+from cluster.actors.wire import OutputBatch, encode_request
 from cluster.config import EngineConfig
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.frontend import FrontEnd, Prompt, stream_outputs
+from cluster.engine.stats import EngineStats
 from cluster.outputs import RequestOutput
 from cluster.placement_config import PlacementConfig
 from cluster.sampling_params import SamplingParams

@@ -1,6 +1,7 @@
-"""`RayExecutor`: the engine's executor with one `WorkerActor` per rank.
+"""`RayRanks`: the rank channel of one `WorkerActor` per rank, and `RayExecutor`, the
+engine's executor over it.
 
-Shaped like `MultiprocExecutor`: every call goes to every rank as msgpack bytes and the
+Shaped like `ProcessRanks`: every call goes to every rank as msgpack bytes and the
 one reporting rank's reply is the step's output. Differences: workers are Ray actors
 pinned to the bundles of a placement group (the Serve replica's, one passed in, or one
 created here), they are ranked by node then bundle before torch.distributed starts, and
@@ -26,6 +27,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -43,8 +45,7 @@ from cluster.actors.step_graph import StepGraph
 from cluster.actors.step_sockets import StepSockets
 from cluster.actors.worker_actor import WorkerActor
 from cluster.config import EngineConfig
-from cluster.engine.executor import Executor, PendingOutput
-from cluster.engine.messages import ModelRunnerOutput, SchedulerOutput
+from cluster.engine.executor import Executor, PendingReplies, RankChannel
 from cluster.placement_config import PlacementConfig
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ _LIVENESS_CHECK_S = 0.5
 _PEER_DEATH_WAIT_S = 1.0
 
 
-class RayExecutor(Executor):
+class RayRanks(RankChannel):
     def __init__(
         self,
         config: EngineConfig,
@@ -71,6 +72,7 @@ class RayExecutor(Executor):
             use_gpu=config.model.resolved_device == "cuda"
         )
         self.step_timeout_s = step_timeout_s
+        self.call_timeout_s = init_timeout_s
         self.health_timeout_s = health_timeout_s
         world_size = config.parallel.world_size
         self.workers: list[Any] = []
@@ -89,7 +91,7 @@ class RayExecutor(Executor):
         try:
             self._start_workers(world_size, name_prefix, init_timeout_s)
         except BaseException:
-            self.shutdown()
+            self.close()
             raise
         tp = config.parallel.tensor_parallel_size
         self.output_rank = world_size - tp  # TP rank 0 of the last pipeline stage
@@ -190,11 +192,11 @@ class RayExecutor(Executor):
             if slot.node_id == here and not _process_exists(slot.pid):
                 raise RuntimeError(f"worker rank {rank} is dead (its process {slot.pid} exited)")
 
-    def available_kv_blocks(self) -> int:
-        return min(self._get_all([w.available_kv_blocks.remote() for w in self.workers], 600))
+    def call(self, method: str, *args: Any) -> PendingReplies:
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        return lambda: self._get_all(refs, self.call_timeout_s)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._get_all([w.initialize_kv_cache.remote(num_blocks) for w in self.workers], 600)
+    def ready(self) -> None:
         self.step_channel = self._open_step_channel()
 
     def _open_step_channel(self) -> StepGraph | StepSockets | None:
@@ -221,25 +223,16 @@ class RayExecutor(Executor):
         logger.info("steps reach the %d ranks through %s", len(self.workers), kind)
         return channel
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.submit_model(scheduler_output)()
-
-    def submit_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+    def step(self, payload: bytes) -> Callable[[], bytes]:
         # Every rank takes its steps in submission order: stage 0 starts the next step
         # while the later stages finish this one.
-        payload = scheduler_output.encode()
         channel = self.step_channel
         if channel is None:
             refs = [w.execute_model.remote(payload) for w in self.workers]
-
-            def wait_tasks() -> ModelRunnerOutput:
-                replies = self._get_all(refs, self.step_timeout_s)
-                return ModelRunnerOutput.decode(replies[self.output_rank])
-
-            return wait_tasks
+            return lambda: self._get_all(refs, self.step_timeout_s)[self.output_rank]
         submitted = channel.submit(payload)
 
-        def wait() -> ModelRunnerOutput:
+        def wait() -> bytes:
             try:
                 replies = channel.wait(
                     submitted, self.step_timeout_s, _LIVENESS_CHECK_S, self._raise_if_failed
@@ -250,12 +243,9 @@ class RayExecutor(Executor):
                 if cause is e:
                     raise
                 raise cause from e
-            return ModelRunnerOutput.decode(replies[self.output_rank])
+            return replies[self.output_rank]
 
         return wait
-
-    def stage_timings(self) -> list[dict[str, Any]]:
-        return self._get_all([w.stage_timings.remote() for w in self.workers], 60)
 
     def check_health(self) -> None:
         """Every worker answers a ping within `health_timeout_s`, or this raises."""
@@ -268,7 +258,7 @@ class RayExecutor(Executor):
             for r, s in enumerate(self.slots)
         ]
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         # Killing is the shutdown: a rank may be blocked in a collective with a dead peer,
         # and the process exit frees its memory and its process group either way. A healthy
         # graph is torn down first (its loops leave cleanly), a failed one after the kill.
@@ -285,6 +275,17 @@ class RayExecutor(Executor):
             with contextlib.suppress(Exception):
                 remove_placement_group(self._own_pg)
             self._own_pg = None
+
+
+class RayExecutor(Executor):
+    """The engine's executor over `RayRanks` (the same arguments)."""
+
+    def __init__(self, config: EngineConfig, *args: Any, **kwargs: Any) -> None:
+        self.ranks = RayRanks(config, *args, **kwargs)
+        super().__init__(self.ranks)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return self.ranks.describe()
 
 
 def _worker_error(rank: int | str, error: Exception) -> RuntimeError:

@@ -1,11 +1,12 @@
 """`SchedulerActor`: one engine's core (scheduler, KV block accounting, request state).
 
 It owns an `EngineCore` whose executor is a `RayExecutor`, so creating it creates the
-workers (they fate-share with it, and it with the Serve replica that created it). A
-background thread runs the step loop: apply queued commands, `core.step()` (which sends
-the msgpack scheduler output to every worker and takes the reporting rank's result),
-publish the per-request outputs. Callers never touch the core directly: `add_request`,
-`abort` and `finish_by_stop_string` only queue commands, and what the loop publishes is
+workers (they fate-share with it, and it with the Serve replica that created it). The
+core runs in an `EngineLoop` (the same loop as `AsyncLLM`'s): apply queued commands,
+`core.step()` (which sends the msgpack scheduler output to every worker and takes the
+reporting rank's result), publish the per-request outputs. Callers never touch the core
+directly: `add_request`, `abort` and `finish_by_stop_string` only queue commands, and
+what the loop publishes is
 pushed to the replica over the output socket (`output_socket`, `OutputSender`) as soon
 as it exists: one message per step carries every request's tokens, with no Ray call.
 
@@ -20,17 +21,18 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict
 from typing import Any
 
 import ray
 
 from cluster.actors.output_socket import OutputSender
 from cluster.actors.ray_executor import RayExecutor
-from cluster.actors.wire import EngineStats, OutputBatch, decode_request
+from cluster.actors.wire import OutputBatch, decode_request
 from cluster.config import EngineConfig
 from cluster.engine.core import EngineCore
+from cluster.engine.loop import EngineLoop
 from cluster.engine.messages import EngineCoreOutput
+from cluster.engine.stats import EngineStats
 from cluster.placement_config import PlacementConfig
 
 # How many aborts of not-yet-added request ids the scheduler remembers.
@@ -57,8 +59,7 @@ class SchedulerActor:
         except BaseException:
             self.executor.shutdown()
             raise
-        self._cv = threading.Condition()
-        self._commands: list[tuple[str, Any]] = []
+        self._cv = threading.Condition()  # guards what the loop publishes
         self._live: set[str] = set()  # request ids added and not yet finished
         # Aborts of ids not live: calls may run out of order here, so an abort can come
         # before its own add (a client that left at once); that add is then dropped.
@@ -67,11 +68,7 @@ class SchedulerActor:
         self._stats = EngineStats()
         self._error: str | None = None
         self._sender: OutputSender | None = None
-        self._stopped = False
-        self._step_started: float | None = None
-        self._step_s_total = 0.0  # all steps, Ray's round trips to the workers included
-        self._thread = threading.Thread(target=self._loop, name="cluster-step-loop", daemon=True)
-        self._thread.start()
+        self.loop = EngineLoop(self.core, self._publish, self._fail, name="cluster-step-loop")
 
     # ---- commands (any thread) -----------------------------------------------------------
     def add_request(self, payload: bytes) -> None:
@@ -84,8 +81,7 @@ class SchedulerActor:
                 del self._aborted_unknown[request.request_id]
                 return  # its client already left
             self._live.add(request.request_id)
-            self._commands.append(("add", request))
-            self._cv.notify_all()
+        self.loop.add_request(request)
 
     def abort(self, request_ids: list[str]) -> None:
         with self._cv:
@@ -94,15 +90,12 @@ class SchedulerActor:
                     self._aborted_unknown[request_id] = None
                     while len(self._aborted_unknown) > _MAX_REMEMBERED_ABORTS:
                         self._aborted_unknown.popitem(last=False)
-        self._command("abort", request_ids)
+        self.loop.abort(request_ids)
 
     def finish_by_stop_string(self, request_id: str, stop: str) -> None:
-        self._command("stop", (request_id, stop))
-
-    def _command(self, kind: str, arg: Any) -> None:
         with self._cv:
-            self._commands.append((kind, arg))
-            self._cv.notify_all()
+            self._live.discard(request_id)
+        self.loop.finish_by_stop_string(request_id, stop)
 
     def output_socket(self) -> tuple[tuple[str, int], bytes]:
         """Where the replica reads this engine's outputs, and the secret it must send
@@ -125,7 +118,7 @@ class SchedulerActor:
     def health(self) -> dict[str, Any]:
         with self._cv:
             self._raise_if_dead()
-            started = self._step_started
+            started = self.loop.step_started
         if started is not None and time.monotonic() - started > self.stall_timeout_s:
             raise RuntimeError(
                 f"the step loop is stalled: one step has run for "
@@ -148,84 +141,33 @@ class SchedulerActor:
         """Cumulative step time here (scheduling, the round trips to every worker, applying
         the result) and each worker's own (`benchmarks/ray_step_cost.py`)."""
         return {
-            "steps": self._stats.num_steps,
-            "step_s": self._step_s_total,
+            "steps": self.core.num_steps,
+            "step_s": self.loop.step_s_total,
             "workers": self.executor.stage_timings(),
         }
 
     def shutdown(self) -> None:
-        with self._cv:
-            self._stopped = True
-            self._cv.notify_all()
+        self.loop.stop(timeout_s=5)
         if self._sender is not None:
             self._sender.close()
-        self._thread.join(timeout=5)
         self.executor.shutdown()
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"the engine's step loop died: {self._error}")
 
-    # ---- the step loop --------------------------------------------------------------------
-    def _loop(self) -> None:
-        core = self.core
-        try:
-            while True:
-                with self._cv:
-                    self._cv.wait_for(
-                        lambda: self._stopped or self._commands or core.has_unfinished_requests(),
-                        timeout=1.0,
-                    )
-                    if self._stopped:
-                        return
-                    commands, self._commands = self._commands, []
-                published = self._apply(commands)
-                if core.has_unfinished_requests():
-                    self._step_started = started = time.monotonic()
-                    published += core.step()
-                    self._step_started = None
-                    self._step_s_total += time.monotonic() - started
-                    self._publish(published, time.monotonic() - started)
-                elif published:
-                    self._publish(published, None)
-        except BaseException as e:  # every waiter must hear about it
-            logger.exception("the step loop died")
-            with self._cv:
-                self._error = f"{type(e).__name__}: {e}"
-                self._cv.notify_all()
-
-    def _apply(self, commands: list[tuple[str, Any]]) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
-        for kind, arg in commands:
-            if kind == "add":
-                self.core.add_request(arg)
-            elif kind == "abort":
-                outputs += self.core.abort_requests(arg)
-            else:
-                request_id, stop = arg
-                self.core.finish_by_stop_string(request_id, stop)
-                with self._cv:
-                    self._live.discard(request_id)
-        return outputs
+    # ---- the loop's side --------------------------------------------------------------------
+    def _fail(self, error: BaseException) -> None:
+        with self._cv:
+            self._error = f"{type(error).__name__}: {error}"
+            self._cv.notify_all()
 
     def _publish(self, outputs: list[EngineCoreOutput], step_s: float | None) -> None:
-        """Hand outputs to the output socket; `step_s` is the step's duration (None: no
-        step)."""
-        scheduler = self.core.scheduler
+        """Hand outputs, and the engine's stats after them, to the output socket."""
         with self._cv:
             for out in outputs:
                 if out.finished:
                     self._live.discard(out.req_id)
             self._outbox += outputs
-            self._stats = EngineStats(
-                num_waiting=scheduler.num_waiting,
-                num_running=scheduler.num_running,
-                kv_usage=self.core.block_manager.usage,
-                prefix_cache_queries=self.core.block_manager.prefix_stats.num_queried_tokens,
-                prefix_cache_hits=self.core.block_manager.prefix_stats.num_hit_tokens,
-                num_preemptions=scheduler.num_preemptions,
-                num_steps=self._stats.num_steps + (step_s is not None),
-                last_step_s=self._stats.last_step_s if step_s is None else step_s,
-                spec=asdict(scheduler.spec_stats),
-            )
+            self._stats = self.core.stats()
             self._cv.notify_all()

@@ -14,6 +14,7 @@ import msgpack
 
 from cluster.engine.messages import EngineCoreOutput, TokenLogprobs, pack
 from cluster.engine.request import Request
+from cluster.engine.stats import EngineStats
 from cluster.sampling_params import SamplingParams
 
 
@@ -36,23 +37,6 @@ def decode_request(payload: bytes) -> Request:
         SamplingParams(**data["sampling_params"]),
         eos_token_id=data["eos_token_id"],
     )
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The scheduler's state after its latest step."""
-
-    num_waiting: int = 0
-    num_running: int = 0
-    kv_usage: float = 0.0  # fraction of KV blocks in use
-    # Cumulative prompt tokens looked up in the prefix cache at admission, and found there.
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    last_step_s: float = 0.0
-    # The engine's speculative-decoding counters (`SpecDecodingStats` fields), cumulative.
-    spec: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
-"""`AsyncLLM`: the in-process engine for asyncio programs. A background thread steps
-the engine; callers add requests, abort them, and iterate incremental outputs per request
-(the shared `FrontEnd` delivers them). A Serve replica uses `EngineClient` instead, with
-the same front end and the same request semantics, over Ray actors.
+"""`AsyncLLM`: the in-process engine for asyncio programs. The engine core runs in an
+`EngineLoop` thread; callers add requests, abort them, and iterate incremental outputs
+per request (the shared `FrontEnd` delivers them). A Serve replica uses `EngineClient`
+instead, with the same front end and the same request semantics, over Ray actors.
 
 A bad request raises from `add_request` (or the first step of `generate`) and never
-reaches the engine; requests already running are not affected.
+reaches the engine; requests already running are not affected. Adding or aborting never
+waits for a step: the loop applies both before its next one.
 """
 
 from __future__ import annotations
@@ -16,29 +17,26 @@ from collections.abc import AsyncIterator
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.frontend import Prompt, stream_outputs
 from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.loop import EngineLoop
+from cluster.engine.messages import EngineCoreOutput
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.idle_wait_s = idle_wait_s
-        self._lock = threading.Lock()  # guards the engine between the loop and callers
-        self._wakeup = threading.Event()
-        self._stopped = False
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="cluster-engine-loop", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()  # guards the front end between the loop and callers
+        self.loop = EngineLoop(engine.core, self._publish, self._fail)
 
     # ---- callers -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> asyncio.Queue:
-        if self.error is not None:
-            raise EngineDeadError(f"the engine loop died: {self.error!r}")
+        self._raise_if_dead()
+        frontend = self.engine.frontend
         with self._lock:
-            self.engine.add_request(request_id, prompt, params)  # raises ValueError on bad input
-            queue = self.engine.frontend.open_stream(request_id, params)
-        self._wakeup.set()
+            request = frontend.admit(request_id, prompt, params)  # raises ValueError on bad input
+            queue = frontend.open_stream(request_id, params)
+        self.loop.add_request(request)
         return queue
 
     async def generate(
@@ -61,35 +59,33 @@ class AsyncLLM:
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
-            self.engine.abort_request(request_id)
+            self.engine.frontend.abort(request_id)
+        self.loop.abort([request_id])
 
     @property
     def num_unfinished_requests(self) -> int:
         return self.engine.frontend.num_streams
 
     def check_health(self) -> None:
-        if self.error is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+        if not self.loop.alive:
+            raise EngineDeadError(f"the engine loop is not running: {self.loop.error!r}")
         self.engine.core.executor.check_health()
 
     def shutdown(self) -> None:
-        self._stopped = True
-        self._wakeup.set()
-        self._thread.join(timeout=30)
+        self.loop.stop()
         self.engine.shutdown()
 
-    # ---- the loop ------------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self._stopped:
-                self._wakeup.clear()  # before looking, so no add_request is missed
-                with self._lock:
-                    busy = self.engine.has_unfinished_requests()
-                    if busy:
-                        self.engine.step()  # its outputs reach the streams
-                if not busy:
-                    self._wakeup.wait(self.idle_wait_s)
-        except BaseException as e:  # every waiter must hear about it
-            self.error = e
-            with self._lock:
-                self.engine.frontend.fail_streams(EngineDeadError(f"the engine loop died: {e!r}"))
+    def _raise_if_dead(self) -> None:
+        if self.loop.error is not None:
+            raise EngineDeadError(f"the engine loop died: {self.loop.error!r}")
+
+    # ---- the loop's side ---------------------------------------------------------------
+    def _publish(self, outputs: list[EngineCoreOutput], step_s: float | None) -> None:
+        with self._lock:
+            _, stopped = self.engine.frontend.process(outputs)  # outputs reach the streams
+        for request_id, stop in stopped:
+            self.loop.finish_by_stop_string(request_id, stop)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            self.engine.frontend.fail_streams(EngineDeadError(f"the engine loop died: {error!r}"))

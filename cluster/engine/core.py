@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import KVBlockManager
@@ -18,6 +18,7 @@ from cluster.engine.messages import EngineCoreOutput, SchedulerOutput
 from cluster.engine.request import Request
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.spec_controller import SpecController
+from cluster.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class EngineCore:
             config.scheduler, self.block_manager, max_len, lookahead, self.max_concurrent_batches
         )
         self._in_flight: deque[_Batch] = deque()
+        self.num_steps = 0
+        self.last_step_s = 0.0
         self.spec_controller: SpecController | None = None
         if spec is not None and spec.adaptive:
             self.spec_controller = SpecController(spec.num_speculative_tokens)
@@ -78,16 +81,32 @@ class EngineCore:
     def finish_by_stop_string(self, request_id: str, stop: str) -> None:
         self.scheduler.finish_by_stop_string(request_id, stop)
 
+    def stats(self) -> EngineStats:
+        """The engine's state and counters now."""
+        scheduler, blocks = self.scheduler, self.block_manager
+        return EngineStats(
+            num_waiting=scheduler.num_waiting,
+            num_running=scheduler.num_running,
+            kv_usage=blocks.usage,
+            prefix_cache_queries=blocks.prefix_stats.num_queried_tokens,
+            prefix_cache_hits=blocks.prefix_stats.num_hit_tokens,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            last_step_s=self.last_step_s,
+            spec=asdict(scheduler.spec_stats),
+        )
+
     def get_metrics(self) -> dict[str, object]:
         """Speculative-decoding statistics, scheduler counters, prefix cache hits (prompt
         tokens looked up at admission and found cached)."""
+        stats = self.stats()
         return {
             **self.scheduler.spec_stats.as_dict(),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "kv_cache_usage": self.block_manager.usage,
-            "prefix_cache_hit_rate": self.block_manager.prefix_stats.hit_rate,
-            "prefix_cache_queries": self.block_manager.prefix_stats.num_queried_tokens,
-            "prefix_cache_hits": self.block_manager.prefix_stats.num_hit_tokens,
+            "num_preemptions": stats.num_preemptions,
+            "kv_cache_usage": stats.kv_usage,
+            "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
             **(
                 {"adaptive_speculation": self.spec_controller.summary()}
                 if self.spec_controller is not None
@@ -102,6 +121,14 @@ class EngineCore:
         """Schedule a batch and submit it, then finish the oldest batch in flight. With
         pipeline stages, batches are submitted until one per stage is in flight (returning
         nothing meanwhile); with one stage every step schedules, runs and finishes a batch."""
+        started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.num_steps += 1
+            self.last_step_s = time.perf_counter() - started
+
+    def _step(self) -> list[EngineCoreOutput]:
         submitted = False
         if len(self._in_flight) < self.max_concurrent_batches:
             start = time.perf_counter()

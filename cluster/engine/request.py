@@ -6,7 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from cluster.engine.messages import TokenLogprobs
+from cluster.draft_tree import DraftTree
+from cluster.engine.messages import PromptLogprobs, TokenLogprobs
 from cluster.sampling_params import SamplingParams
 
 
@@ -89,3 +90,56 @@ class Request:
     def set_drafts(self, tokens: list[int], parents: list[int] | None = None) -> None:
         self.spec_token_ids = tokens
         self.spec_parents = parents if tokens else None
+
+    def gather_prompt_logprobs(
+        self, chunk: PromptLogprobs | None, first_output: bool
+    ) -> list[TokenLogprobs] | None:
+        """Add a chunk's prompt logprobs (a recomputed chunk after a preemption adds only
+        what is missing); all of them once the request has output to go out with."""
+        gathered = self.prompt_logprobs
+        if gathered is None:
+            return None
+        if chunk is not None and chunk.first <= len(gathered):
+            gathered += chunk.tokens[len(gathered) - chunk.first :]
+        if not first_output:
+            return None
+        self.prompt_logprobs = None
+        return gathered
+
+    def append_checking_stops(self, generated: list[int], max_model_len: int) -> list[int]:
+        """Append tokens one by one, stopping at the first that ends the request."""
+        params = self.sampling_params
+        appended: list[int] = []
+        for token in generated:
+            self.output_token_ids.append(token)
+            appended.append(token)
+            if not params.ignore_eos and token == self.eos_token_id:
+                self.finish(FinishReason.STOP)
+            elif token in params.stop_token_ids:
+                self.finish(FinishReason.STOP, stop_reason=token)
+            elif (
+                self.max_tokens is not None and len(self.output_token_ids) >= self.max_tokens
+            ) or self.num_tokens >= max_model_len:
+                self.finish(FinishReason.LENGTH)
+            if self.is_finished:
+                break
+        return appended
+
+    def set_limited_drafts(
+        self, drafts: list[int], parents: list[int] | None, max_model_len: int
+    ) -> None:
+        """The next step's drafts, none past max_tokens (a step yields at most depth + 1
+        tokens) or max_model_len (every draft takes a slot)."""
+        room = max_model_len - self.num_tokens
+        depth_room = room
+        if self.max_tokens is not None:
+            depth_room = min(room, self.max_tokens - len(self.output_token_ids) - 1)
+        if parents is None:
+            self.set_drafts(list(drafts[: max(0, depth_room)]))
+            return
+        depths = DraftTree(tuple(drafts), tuple(parents)).depths
+        # nodes come parents first, so a prefix of them is a tree
+        count = 0
+        while count < min(len(drafts), room) and depths[count] <= depth_room:
+            count += 1
+        self.set_drafts(list(drafts[:count]), list(parents[:count]))

@@ -25,10 +25,8 @@ from cluster.engine.messages import (
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
-    PromptLogprobs,
     ScheduledRequest,
     SchedulerOutput,
-    TokenLogprobs,
 )
 from cluster.engine.metrics import SpecDecodingStats
 from cluster.engine.request import FinishReason, Request, RequestStatus
@@ -283,16 +281,18 @@ class Scheduler:
                     root = item.num_computed_tokens + len(item.token_ids) - 1 - item.num_spec_tokens
                     self._move_accepted_path(request, root, path)
             request.set_drafts([])
-            new_tokens = self._append_checking_stops(request, generated)
+            new_tokens = request.append_checking_stops(generated, self.max_model_len)
             self.blocks.cache_blocks(request)
             logprobs = runner_output.logprobs.get(item.req_id)
             if logprobs is not None:
                 logprobs = logprobs[: len(new_tokens)]
-            prompt_logprobs = self._gather_prompt_logprobs(
-                request, runner_output.prompt_logprobs.get(item.req_id), bool(new_tokens)
+            prompt_logprobs = request.gather_prompt_logprobs(
+                runner_output.prompt_logprobs.get(item.req_id), bool(new_tokens)
             )
             if not request.is_finished and drafts.get(item.req_id):
-                self._set_limited_drafts(request, drafts[item.req_id], parents.get(item.req_id))
+                request.set_limited_drafts(
+                    drafts[item.req_id], parents.get(item.req_id), self.max_model_len
+                )
             if new_tokens or request.is_finished:
                 outputs.append(
                     EngineCoreOutput(
@@ -309,61 +309,6 @@ class Scheduler:
             if request.is_finished:
                 self._release(request)
         return outputs
-
-    @staticmethod
-    def _gather_prompt_logprobs(
-        request: Request, chunk: PromptLogprobs | None, first_output: bool
-    ) -> list[TokenLogprobs] | None:
-        """Add a chunk's prompt logprobs (a recomputed chunk after a preemption adds only
-        what is missing); all of them once the request has output to go out with."""
-        gathered = request.prompt_logprobs
-        if gathered is None:
-            return None
-        if chunk is not None and chunk.first <= len(gathered):
-            gathered += chunk.tokens[len(gathered) - chunk.first :]
-        if not first_output:
-            return None
-        request.prompt_logprobs = None
-        return gathered
-
-    def _append_checking_stops(self, request: Request, generated: list[int]) -> list[int]:
-        """Append tokens one by one, stopping at the first that ends the request."""
-        params = request.sampling_params
-        appended: list[int] = []
-        for token in generated:
-            request.output_token_ids.append(token)
-            appended.append(token)
-            if not params.ignore_eos and token == request.eos_token_id:
-                request.finish(FinishReason.STOP)
-            elif token in params.stop_token_ids:
-                request.finish(FinishReason.STOP, stop_reason=token)
-            elif (
-                request.max_tokens is not None
-                and len(request.output_token_ids) >= request.max_tokens
-            ) or request.num_tokens >= self.max_model_len:
-                request.finish(FinishReason.LENGTH)
-            if request.is_finished:
-                break
-        return appended
-
-    def _set_limited_drafts(
-        self, request: Request, drafts: list[int], parents: list[int] | None
-    ) -> None:
-        """No drafts past max_tokens (a step yields at most depth + 1 tokens) or
-        max_model_len (every draft takes a slot)."""
-        room = self.max_model_len - request.num_tokens
-        depth_room = room
-        if request.max_tokens is not None:
-            depth_room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
-        if parents is None:
-            request.set_drafts(list(drafts[: max(0, depth_room)]))
-            return
-        depths = DraftTree(tuple(drafts), tuple(parents)).depths
-        # nodes come parents first, so a prefix of them is a tree
-        count = 0
-        while count < min(len(drafts), room) and depths[count] <= depth_room:
-            count += 1
-        request.set_drafts(list(drafts[:count]), list(parents[:count]))
 
     def _move_accepted_path(self, request: Request, root: int, path: list[int]) -> None:
         """The accepted nodes' KV (at slots root + 1 + node) goes to root + 1 .. root + d,

@@ -18,22 +18,21 @@ over rows of 1 + the number of leading TTT steps that are right (a chain of k =
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from cluster.dtypes import cpu_has_bf16_matmul
+from cluster.train.batches import NO_LABEL, OUT_OF_VOCAB, Batch, collate, make_batches
 from cluster.train.feature_store import load_shards
-from cluster.train.ttt import row_window
+from cluster.train.train_config import TrainConfig
 
 __all__ = [
     "NO_LABEL",
@@ -47,86 +46,6 @@ __all__ = [
     "fit",
     "load_shards",
 ]
-
-NO_LABEL = -100  # a row with nothing to predict at this step (no loss, not counted)
-OUT_OF_VOCAB = -1  # a label outside the draft vocabulary: no loss, counted as a miss
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    draft_vocab_size: int = 4096  # EAGLE-3 only
-    ttt_steps: int = 3
-    epochs: int = 2
-    lr: float = 1e-3
-    batch_tokens: int = 4096
-    seed: int = 0
-    step_weight: float = 0.8
-    freeze_lm_head: bool = False  # EAGLE-3: keep the target's LM head rows as they are
-    compile: bool = False  # EAGLE-3: the step's forward under torch.compile (dynamic shapes)
-    eval_every_tokens: int = 0  # > 0: also measure held-out accuracy every this many
-    # trained answer tokens (the curve of accuracy against data in the history)
-    regression_weight: float = 1.0  # EAGLE-1: smooth-L1 feature regression
-    token_weight: float = 0.1  # EAGLE-1: token cross-entropy
-    device: str = "auto"  # "auto": CUDA when available, else the CPU
-    precision: str = "auto"  # "bfloat16" autocast, "float32", or "auto": bfloat16 where
-    # the device computes it in hardware (CUDA; CPUs with AVX-512 BF16, AMX or Arm BF16)
-    checkpoint_every: int = 200  # optimiser steps between checkpoints (and every epoch end)
-
-    # settings a resumed run may change: they do not change what is computed
-    RESUMABLE_CHANGES = ("eval_every_tokens", "checkpoint_every", "device")
-
-    def __post_init__(self) -> None:
-        if self.precision not in ("auto", "bfloat16", "float32"):
-            raise ValueError(f"precision must be auto, bfloat16 or float32, not {self.precision!r}")
-
-    @property
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    @property
-    def autocast_bf16(self) -> bool:
-        if self.precision != "auto":
-            return self.precision == "bfloat16"
-        if self.torch_device.type == "cuda":
-            return torch.cuda.is_bf16_supported()
-        return cpu_has_bf16_matmul()
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """The forward's precision context (bfloat16 autocast, or nothing)."""
-        if not self.autocast_bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(self.torch_device.type, dtype=torch.bfloat16)
-
-    def identity(self) -> dict[str, Any]:
-        """What a checkpoint must agree on to be resumed under this config."""
-        return {k: v for k, v in asdict(self).items() if k not in self.RESUMABLE_CHANGES}
-
-
-@dataclass
-class Batch:
-    ids: torch.Tensor  # [B, T] int64, zero-padded
-    features: torch.Tensor  # [B, T, F] float32
-    valid: torch.Tensor  # [B, T] bool: real tokens
-    labels: list[torch.Tensor]  # per TTT step [B, T]: the class row p predicts, or NO_LABEL
-    # (OUT_OF_VOCAB where the label map lacks the token)
-    first_row: torch.Tensor  # [B] int64: the first row with a label at any step
-
-    def to(self, device: torch.device) -> Batch:
-        return Batch(
-            self.ids.to(device),
-            self.features.to(device),
-            self.valid.to(device),
-            [lab.to(device) for lab in self.labels],
-            self.first_row.to(device),
-        )
-
-    def window(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(anchors [B, W], each step's labels [B, W]) of the rows that have a label at some
-        step (`ttt.row_window`): what a head trained on labels alone needs to compute."""
-        anchors = row_window(self.first_row, self.valid)
-        return anchors, [lab.gather(1, anchors) for lab in self.labels]
 
 
 @dataclass(frozen=True)
@@ -184,51 +103,6 @@ def loss_labels(labels: torch.Tensor) -> torch.Tensor:
 
 # batch -> (loss, the batch's top-1 counts)
 StepFn = Callable[[Batch], tuple[torch.Tensor, StepCounts]]
-
-
-def make_batches(
-    sequences: list[dict[str, Any]], batch_tokens: int, rng: random.Random
-) -> list[list[int]]:
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]["token_ids"]))
-    batches, current, longest = [], [], 0
-    for i in order:
-        n = len(sequences[i]["token_ids"])
-        if current and max(longest, n) * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    if current:
-        batches.append(current)
-    rng.shuffle(batches)
-    return batches
-
-
-def collate(
-    sequences: list[dict[str, Any]], index: list[int], label_map: torch.Tensor | None, steps: int
-) -> Batch:
-    """Padded batch; row p of step j is labelled with token p + 2 + j when that is an answer
-    token after the first, mapped through `label_map` (target id -> class, or OUT_OF_VOCAB)."""
-    rows = [sequences[i] for i in index]
-    length = max(len(r["token_ids"]) for r in rows)
-    width = rows[0]["features"].shape[-1]
-    ids = torch.zeros(len(rows), length, dtype=torch.int64)
-    feats = torch.zeros(len(rows), length, width)
-    valid = torch.zeros(len(rows), length, dtype=torch.bool)
-    labels = [torch.full((len(rows), length), NO_LABEL, dtype=torch.int64) for _ in range(steps)]
-    first_row = torch.tensor([max(0, r["answer_start"] - steps) for r in rows])
-    for b, r in enumerate(rows):
-        n = len(r["token_ids"])
-        ids[b, :n] = torch.tensor(r["token_ids"])
-        feats[b, :n] = r["features"].float()
-        valid[b, :n] = True
-        for step in range(steps):
-            first = max(0, r["answer_start"] + 1 - 2 - step)
-            last = n - 2 - step
-            if last > first:
-                tokens = ids[b, first + 2 + step : last + 2 + step]
-                labels[step][b, first:last] = tokens if label_map is None else label_map[tokens]
-    return Batch(ids, feats, valid, labels, first_row)
 
 
 @torch.no_grad()

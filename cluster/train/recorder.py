@@ -2,9 +2,10 @@
 
 The target computes, for every token it processes, exactly what a draft head is fed at
 inference: the residual streams entering the EAGLE-3 layers and the final hidden state
-(after the final norm; EAGLE-1 and MTP). `FeatureRecorder` hooks an in-process, eager
-engine (`LLM(..., compile="off", enable_prefix_caching=False)`: a compiled graph or a
-prefix-cache hit would skip the hooks) and keeps those rows per request and position in
+(after the final norm; EAGLE-1 and MTP). `FeatureRecorder` takes them from the model
+runner's own capture (`ModelRunner.capture_features`, the outputs EAGLE-3 drafting reads)
+of an in-process, eager engine (`LLM(..., compile="off", enable_prefix_caching=False)`:
+a prefix-cache hit skips the forward) and keeps those rows per request and position in
 the engine's dtype. A sequence's last token is never fed back, so its row stays zero; no training
 row reads it (its label would lie past the end).
 """
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from cluster.engine.messages import SchedulerOutput
+from cluster.engine.messages import ScheduledRequest
 
 
 class FeatureRecorder:
@@ -29,40 +30,20 @@ class FeatureRecorder:
         self.aux_layers = aux_layers
         self.hidden_size = int(llm.config.model.hf_config.hidden_size)
         self._rows: dict[str, dict[int, torch.Tensor]] = {}  # req_id -> position -> [F]
-        self._step: list[tuple[str, int, int]] = []  # (req_id, first position, num rows)
-        self._aux: dict[int, torch.Tensor] = {}
-        layers = runner.model.model.layers
-        self._hooks = [
-            layers[i].register_forward_pre_hook(self._aux_hook(i)) for i in set(aux_layers)
-        ]
-        self._hooks.append(runner.model.model.register_forward_hook(self._final_hook))
-        self._runner, self._execute = runner, runner.execute_model
-        runner.execute_model = self._execute_model
+        self._runner = runner
+        runner.capture_features(aux_layers, self._record)
 
-    def _execute_model(self, so: SchedulerOutput) -> Any:
-        self._step = [(s.req_id, s.num_computed_tokens, len(s.token_ids)) for s in so.scheduled]
-        if any(s.num_spec_tokens for s in so.scheduled):
+    def _record(self, scheduled: list[ScheduledRequest], rows: torch.Tensor) -> None:
+        """One step's rows ([num_tokens, (len(aux) + 1) * hidden]), kept per position."""
+        if any(s.num_spec_tokens for s in scheduled):
             raise ValueError("recording runs without speculation (drafts are not the answer)")
-        return self._execute(so)
-
-    def _aux_hook(self, layer: int) -> Any:
-        def hook(module: torch.nn.Module, args: tuple) -> None:
-            _rope, hidden, residual = args[:3]
-            self._aux[layer] = hidden if residual is None else hidden + residual
-
-        return hook
-
-    def _final_hook(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
-        hidden = out[0] if isinstance(out, tuple) else out  # [num_tokens, hidden]
-        rows = torch.cat([*(self._aux[i] for i in self.aux_layers), hidden], dim=-1)
-        rows = rows.clone()  # [num_tokens, (len(aux) + 1) * hidden]
+        rows = rows.clone()
         start = 0
-        for req_id, first, count in self._step:
-            per_position = self._rows.setdefault(req_id, {})
-            for offset in range(count):
-                per_position[first + offset] = rows[start + offset]
-            start += count
-        self._aux.clear()
+        for s in scheduled:
+            per_position = self._rows.setdefault(s.req_id, {})
+            for offset in range(len(s.token_ids)):
+                per_position[s.num_computed_tokens + offset] = rows[start + offset]
+            start += len(s.token_ids)
 
     def take(self, req_id: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux features [length, len(aux) * hidden], final hidden [length, hidden]) of a
@@ -82,6 +63,4 @@ class FeatureRecorder:
         return rows[:, :split], rows[:, split:]
 
     def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._runner.execute_model = self._execute
+        self._runner.capture_features((), None)

@@ -1,7 +1,9 @@
-"""Executors that host workers in this process or in spawned local processes.
+"""Rank channels for workers in this process or in spawned local processes, and the
+executors made of them.
 
-`MultiprocExecutor` is tensor parallelism on one machine without Ray: each rank runs a
-`Worker` in its own process and receives every message as msgpack bytes through a pipe.
+`LocalRank` calls one `Worker` here. `ProcessRanks` is tensor (and pipeline) parallelism
+on one machine without Ray: each rank runs a `Worker` in its own process and receives
+every call as msgpack bytes through a pipe.
 """
 
 from __future__ import annotations
@@ -18,35 +20,36 @@ import torch
 import torch.multiprocessing as mp
 
 from cluster.config import EngineConfig
-from cluster.engine.executor import Executor, PendingOutput
-from cluster.engine.messages import ModelRunnerOutput, SchedulerOutput
+from cluster.engine.executor import Executor, PendingReplies, RankChannel
 from cluster.parallel.spawn import free_port, main_script_hidden
 from cluster.worker.worker import Worker
 
 
-class InProcessExecutor(Executor):
+class LocalRank(RankChannel):
+    """The one rank of a single-rank engine, in this process. Steps still go through
+    the wire format, so this path checks what crosses process boundaries too."""
+
     def __init__(self, config: EngineConfig) -> None:
         if config.parallel.world_size != 1:
-            raise ValueError("InProcessExecutor runs a single rank; use MultiprocExecutor")
+            raise ValueError("LocalRank runs a single rank; use ProcessRanks")
         self.worker = Worker(config)
 
-    def available_kv_blocks(self) -> int:
-        return self.worker.available_kv_blocks()
+    def call(self, method: str, *args: Any) -> PendingReplies:
+        value = getattr(self.worker, method)(*args)
+        return lambda: [value]
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_kv_cache(num_blocks)
-
-    def stage_timings(self) -> list[dict[str, Any]]:
-        return [self.worker.stage_timings()]
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        # Through the wire format, so this path checks what crosses process boundaries too.
-        payload = self.worker.execute_model(scheduler_output.encode())
-        assert payload is not None
-        return ModelRunnerOutput.decode(payload)
-
-    def shutdown(self) -> None:
+    def close(self) -> None:
         self.worker.shutdown()
+
+
+class InProcessExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        self.rank = LocalRank(config)
+        super().__init__(self.rank)
+
+    @property
+    def worker(self) -> Worker:
+        return self.rank.worker
 
 
 def _worker_loop(
@@ -84,7 +87,7 @@ def _worker_loop(
         conn.close()
 
 
-class MultiprocExecutor(Executor):
+class ProcessRanks(RankChannel):
     def __init__(self, config: EngineConfig, timeout_s: float = 600.0) -> None:
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -114,6 +117,7 @@ class MultiprocExecutor(Executor):
         self._num_calls = 0
         self._num_read = 0
         self._unclaimed: dict[int, list[Any]] = {}
+        self.output_rank = world_size - config.parallel.tensor_parallel_size
 
     def _replies(self, call: int) -> list[Any]:
         """Every rank's reply to call number `call`."""
@@ -147,37 +151,22 @@ class MultiprocExecutor(Executor):
         self._num_calls += 1
         return self._num_calls - 1
 
-    def _call_all(self, method: str, *args: Any) -> list[Any]:
-        return self._replies(self._send_all(method, *args))
-
-    def available_kv_blocks(self) -> int:
-        return min(self._call_all("available_kv_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call_all("initialize_kv_cache", num_blocks)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.submit_model(scheduler_output)()
-
-    def submit_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
-        call = self._send_all("execute_model", scheduler_output.encode())
-
-        def wait() -> ModelRunnerOutput:
-            (payload,) = [r for r in self._replies(call) if r is not None]
-            return ModelRunnerOutput.decode(payload)
-
-        return wait
-
-    def stage_timings(self) -> list[dict[str, Any]]:
-        return self._call_all("stage_timings")
+    def call(self, method: str, *args: Any) -> PendingReplies:
+        number = self._send_all(method, *args)
+        return lambda: self._replies(number)
 
     def check_health(self) -> None:
         dead = [rank for rank, p in enumerate(self.procs) if not p.is_alive()]
         if dead:
             raise RuntimeError(f"worker ranks {dead} are dead")
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         self._finalizer()
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, timeout_s: float = 600.0) -> None:
+        super().__init__(ProcessRanks(config, timeout_s))
 
 
 def _stop_ranks(conns: list[Any], procs: list[Any]) -> None:

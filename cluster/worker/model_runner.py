@@ -13,63 +13,30 @@ last stage, and the next step's token ids reach every stage from the scheduler.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from cluster.draft_tree import DraftTree
 from cluster.engine.messages import (
     ModelRunnerOutput,
-    NewRequestData,
-    PromptLogprobs,
     ScheduledRequest,
     SchedulerOutput,
-    TokenLogprobs,
 )
 from cluster.models.attention import AttentionLayer, attention_context
 from cluster.models.compiled import CompiledForward, CompileOptions, cut_rows, pad_rows
 from cluster.parallel import ParallelState
 from cluster.parallel.pipeline import StageActivations
-from cluster.sample import (
-    Logprobs,
-    RejectionSampler,
-    Sampler,
-    SamplingMetadata,
-    SpecDecodeMetadata,
-    compute_logprobs,
-)
-from cluster.sample.randomness import draft_seed
-from cluster.sample.tree_sampler import TreeRejectionSampler
-from cluster.sampling_params import SamplingParams
 from cluster.spec_decode.batch import ProposalBatch, Proposer
 from cluster.worker.input_batch import ModelInputs, prepare_inputs
 from cluster.worker.kv_cache import PagedKVCache
+from cluster.worker.request_state import CachedRequestState
 from cluster.worker.state_cache import RecurrentStateCache
+from cluster.worker.verifier import Verified, Verifier
 
-# Prompt rows whose logits exist at once for prompt logprobs ([rows, vocab] float32).
-PROMPT_LOGITS_ROWS = 256
-
-
-@dataclass
-class CachedRequestState:
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: SamplingParams
-    generator: torch.Generator | None  # the verifier's and sampler's draws
-    draft_generator: torch.Generator | None  # sampled drafts' draws (an independent stream)
-    block_ids: list[int] = field(default_factory=list)
-    # The distributions the pending drafts were drawn from ([k, vocab]; for a tree, the root's
-    # row then one per node: [n + 1, vocab]); None: argmax drafts.
-    draft_probs: torch.Tensor | None = None
-    eos_token_id: int | None = None
-
-    def token_at(self, position: int) -> int:
-        if position < len(self.prompt_token_ids):
-            return self.prompt_token_ids[position]
-        return self.output_token_ids[position - len(self.prompt_token_ids)]
+# capture_features' sink: (the step's scheduled requests, [num_tokens, F] feature rows)
+FeatureSink = Callable[[list[ScheduledRequest], torch.Tensor], None]
 
 
 class ModelRunner:
@@ -93,10 +60,8 @@ class ModelRunner:
         self.device = device
         self.proposer = proposer
         self.aux_hidden_layers = aux_hidden_layers
-        self.vocab_size = int(model.config.vocab_size)
-        self.sampler = Sampler()
-        self.rejection_sampler = RejectionSampler(self.sampler, backend=sampler_backend)
-        self.tree_sampler = TreeRejectionSampler(self.sampler)
+        self.feature_sink: FeatureSink | None = None  # `capture_features`
+        self.verifier = Verifier(int(model.config.vocab_size), device, sampler_backend)
         # The target's attention layers: an accepted tree path's KV moves in these only
         # (a draft head's layers are rewritten at the path's final slots by its pass 0).
         self.target_layers = {m.layer_idx for m in model.modules() if isinstance(m, AttentionLayer)}
@@ -168,28 +133,24 @@ class ModelRunner:
             if self.state_cache is not None:
                 self.state_cache.remove(req_id)
         for new in so.new_requests:
-            self.requests[new.req_id] = self._new_state(new)
+            self.requests[new.req_id] = CachedRequestState.of(new, self.device)
             if self.state_cache is not None:
                 self.state_cache.add(new.req_id)
         for item in so.scheduled:
             self.requests[item.req_id].block_ids.extend(item.new_block_ids)
 
-    def _new_state(self, new: NewRequestData) -> CachedRequestState:
-        params = new.sampling_params
-        generator = draft_generator = None
-        if params.seed is not None and not params.is_greedy:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            draft_generator = torch.Generator(device=self.device)
-            draft_generator.manual_seed(draft_seed(params.seed))
-        return CachedRequestState(
-            new.req_id,
-            list(new.prompt_token_ids),
-            list(new.output_token_ids),
-            params,
-            generator,
-            draft_generator,
-            eos_token_id=new.eos_token_id,
-        )
+    def capture_features(self, layers: tuple[int, ...], sink: FeatureSink | None) -> None:
+        """Hand every step's draft-head features to `sink` (None: stop): the scheduled
+        requests and [num_tokens, (len(layers) + 1) * hidden] rows, the residual streams
+        entering `layers` then the final hidden state, what EAGLE-3 (`layers`) or EAGLE-1
+        and MTP (`()`) heads are fed. For an eager single-stage engine whose draft (if
+        any) reads the same layers: a compiled graph's outputs are fixed when it compiles."""
+        if self.proposer is not None and sink is not None and layers != self.aux_hidden_layers:
+            raise ValueError(
+                f"this engine's draft reads layers {self.aux_hidden_layers}, not {layers}"
+            )
+        self.aux_hidden_layers = layers
+        self.feature_sink = sink
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -237,144 +198,34 @@ class ModelRunner:
             features = torch.cat(aux, dim=-1)  # [num_tokens, 3 * hidden] for EAGLE-3
         else:
             hidden = features = out  # [num_tokens, hidden]
-        prompt_logprobs = self._prompt_logprobs(hidden, so.scheduled)
-        if any(s.spec_parents is not None for s in inputs.sampled):
-            sampled_ids, logprobs, paths = self._sample_trees(hidden, inputs)
-        else:
-            (sampled_ids, logprobs), paths = self._sample(hidden, inputs), {}
-        per_request = dict(zip((s.req_id for s in inputs.sampled), sampled_ids, strict=True))
+        if self.feature_sink is not None:
+            captured = torch.cat([features, hidden], -1) if self.aux_hidden_layers else hidden
+            self.feature_sink(so.scheduled, captured)
+        prompt_logprobs = self.verifier.prompt_logprobs(
+            self._logits, hidden, so.scheduled, self.requests
+        )
+        verified = self._verify(hidden, inputs)
+        per_request = dict(zip((s.req_id for s in inputs.sampled), verified.tokens, strict=True))
         for req_id, tokens in per_request.items():
             self.requests[req_id].output_token_ids.extend(tokens)
-        drafts, parents = self._propose(so, inputs, per_request, features, paths)
+        drafts, parents = self._propose(so, inputs, per_request, features, verified.paths)
         return ModelRunnerOutput(
             step_id=so.step_id,
             req_ids=[s.req_id for s in so.scheduled],
             sampled_token_ids=[per_request.get(s.req_id, []) for s in so.scheduled],
-            logprobs=logprobs,
+            logprobs=verified.logprobs,
             draft_token_ids=drafts,
             prompt_logprobs=prompt_logprobs,
             draft_parents=parents,
-            accepted_nodes=paths,
+            accepted_nodes=verified.paths,
         )
 
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, scheduled: list[ScheduledRequest]
-    ) -> dict[str, PromptLogprobs]:
-        """For requests that asked: the logprobs of the prompt tokens that this step's rows
-        predict (row p predicts prompt token p + 1), from the raw logits."""
-        result: dict[str, PromptLogprobs] = {}
-        row = 0  # the request's first row in `hidden` ([num_tokens, hidden])
-        for item in scheduled:
-            state = self.requests[item.req_id]
-            num_top = state.sampling_params.prompt_logprobs
-            first = item.num_computed_tokens
-            end = min(first + len(item.token_ids), len(state.prompt_token_ids) - 1)
-            if num_top is not None and end > first:
-                tokens: list[TokenLogprobs] = []
-                for lo in range(first, end, PROMPT_LOGITS_ROWS):
-                    hi = min(lo + PROMPT_LOGITS_ROWS, end)
-                    rows = hidden[row + lo - first : row + hi - first]
-                    logits = self._logits(rows)  # [hi - lo, vocab]
-                    targets = state.prompt_token_ids[lo + 1 : hi + 1]
-                    ids = torch.tensor(targets, device=self.device)
-                    wanted = torch.full_like(ids, num_top)
-                    lp = compute_logprobs(logits, ids, wanted, num_top)
-                    tokens += map(
-                        TokenLogprobs,
-                        lp.token_ids.tolist(),
-                        lp.logprobs.tolist(),
-                        lp.ranks.tolist(),
-                    )
-                result[item.req_id] = PromptLogprobs(first, tokens)
-            row += len(item.token_ids)
-        return result
-
-    def _sample(
-        self, hidden: torch.Tensor, inputs: ModelInputs
-    ) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]]]:
+    def _verify(self, hidden: torch.Tensor, inputs: ModelInputs) -> Verified:
         if not inputs.sampled:
-            return [], {}
+            return Verified([], {}, {})
         logits = self._logits(hidden[inputs.logits_indices])  # [num_logits, vocab]
         states = [self.requests[s.req_id] for s in inputs.sampled]
-        metadata = self._sampling_metadata(states)
-        if any(s.num_spec_tokens for s in inputs.sampled):
-            drafts = [s.token_ids[len(s.token_ids) - s.num_spec_tokens :] for s in inputs.sampled]
-            spec = SpecDecodeMetadata.from_drafts(drafts, self.device)
-            draft_probs = self._draft_probs(states, drafts)
-            out = self.rejection_sampler(logits, spec, metadata, draft_probs)
-            token_ids, lp = out.token_ids, out.logprobs  # [batch, k + 1], -1 after the last
-            counts = out.num_output_tokens.tolist()
-        else:
-            out = self.sampler(logits, metadata)
-            token_ids = out.token_ids[:, None]  # [batch, 1]
-            lp = out.logprobs.reshape(len(states), 1) if out.logprobs is not None else None
-            counts = [1] * len(states)
-        for st in states:
-            st.draft_probs = None  # verified now
-        rows = token_ids.tolist()
-        sampled = [row[:n] for row, n in zip(rows, counts, strict=True)]
-        return sampled, _logprobs_by_request(lp, states, counts)
-
-    def _sample_trees(
-        self, hidden: torch.Tensor, inputs: ModelInputs
-    ) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]], dict[str, list[int]]]:
-        """Verify each sampled request's draft tree (a chain or no drafts are trees too):
-        (tokens per request, logprobs, the accepted nodes of requests that had drafts)."""
-        logits = self._logits(hidden[inputs.logits_indices])  # [rows, vocab]
-        states = [self.requests[s.req_id] for s in inputs.sampled]
-        metadata = self._sampling_metadata(states)
-        trees = []
-        for item in inputs.sampled:
-            drafts = item.token_ids[len(item.token_ids) - item.num_spec_tokens :]
-            if item.spec_parents is None:
-                trees.append(DraftTree.chain(drafts))
-            else:
-                trees.append(DraftTree(tuple(drafts), tuple(item.spec_parents)))
-        probs = [
-            st.draft_probs if st.draft_probs is not None and tree.num_nodes else None
-            for st, tree in zip(states, trees, strict=True)
-        ]
-        out = self.tree_sampler(logits, trees, metadata, probs)
-        for st in states:
-            st.draft_probs = None  # verified now
-        counts = out.num_output_tokens
-        rows = out.token_ids.tolist()
-        sampled = [row[:n] for row, n in zip(rows, counts, strict=True)]
-        paths = {
-            item.req_id: path
-            for item, path in zip(inputs.sampled, out.accepted_nodes, strict=True)
-            if item.num_spec_tokens
-        }
-        return sampled, _logprobs_by_request(out.logprobs, states, counts), paths
-
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        return SamplingMetadata.from_params(
-            [st.sampling_params for st in states],
-            self.vocab_size,
-            self.device,
-            prompt_token_ids=[st.prompt_token_ids for st in states],
-            output_token_ids=[st.output_token_ids for st in states],
-            generators={i: st.generator for i, st in enumerate(states) if st.generator is not None},
-            eos_token_ids=[st.eos_token_id for st in states],
-        )
-
-    def _draft_probs(
-        self, states: list[CachedRequestState], drafts: list[list[int]]
-    ) -> torch.Tensor | None:
-        """[num_drafts, vocab] the distributions the drafts came from; one-hot rows (deltas)
-        for argmax drafts. None when every draft is an argmax draft."""
-        if all(st.draft_probs is None for st in states):
-            return None
-        rows = []
-        for st, d in zip(states, drafts, strict=True):
-            if not d:
-                continue
-            if st.draft_probs is not None and st.draft_probs.shape[0] >= len(d):
-                rows.append(st.draft_probs[: len(d)].to(self.device))
-            else:
-                ids = torch.tensor(d, device=self.device)
-                rows.append(torch.nn.functional.one_hot(ids, self.vocab_size).float())
-        return torch.cat(rows)
+        return self.verifier.verify(logits, inputs.sampled, states)
 
     def _propose(
         self,
@@ -458,24 +309,3 @@ def _accepted_first(
         rest = [r for r in range(root + 1, start + n) if r not in set(accepted)]
         order.extend([*range(start, root + 1), *accepted, *rest])
     return order
-
-
-def _logprobs_by_request(
-    logprobs: Logprobs | None, states: list[CachedRequestState], counts: list[int]
-) -> dict[str, list[TokenLogprobs]]:
-    """Wire form of the logprobs of every output token, for requests that asked for them."""
-    if logprobs is None:
-        return {}
-    ids = logprobs.token_ids.tolist()
-    values = logprobs.logprobs.tolist()
-    ranks = logprobs.ranks.tolist()
-    result: dict[str, list[TokenLogprobs]] = {}
-    for i, (state, n) in enumerate(zip(states, counts, strict=True)):
-        wanted = state.sampling_params.logprobs
-        if wanted is None:
-            continue
-        result[state.req_id] = [
-            TokenLogprobs(ids[i][j][: wanted + 1], values[i][j][: wanted + 1], ranks[i][j])
-            for j in range(n)
-        ]
-    return result
