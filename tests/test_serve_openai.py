@@ -40,13 +40,15 @@ FLAT = {"max_model_len": 512, "num_kv_blocks": 96, "max_num_seqs": 2}
 @pytest.fixture(scope="module")
 def served(smollm2_path):
     speculating = speculation_supported(smollm2_path)
-    spec = {} if speculating else {"speculative": None}
+    # The default manifest's drafts, every step (an adaptive engine may measure that no
+    # drafts pay on a loaded machine, and the metrics test counts drafts).
+    spec = {"speculative": {"adaptive": False}} if speculating else {"speculative": None}
     manifest = (
         load_manifest(DEFAULT)
         .with_args(**SECTIONS, **spec, server={"api_key": API_KEY, "max_waiting_requests": 1})
         .with_deployment("LLMServer", graceful_shutdown_timeout_s=1)
     )
-    offline = {**FLAT, **({"speculative_config": None} if spec else {})}
+    offline = {**FLAT, **({} if speculating else {"speculative_config": None})}
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     with LLM.from_manifest(DEFAULT, **offline) as llm:
         reference = {
