@@ -23,8 +23,8 @@ import warnings
 from spec_sweep import heldout_chats
 
 from cluster import LLM, SamplingParams
+from cluster.config.speculative import builtin_head_path
 from cluster.models.default_model import ensure_default_model
-from cluster.speculative_config import builtin_head_path
 
 warnings.filterwarnings("ignore")
 

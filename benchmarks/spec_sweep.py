@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from random_heads import write_all
 
 from cluster import LLM, SamplingParams
+from cluster.config.speculative import builtin_head_path
 from cluster.models.default_model import ensure_default_model
-from cluster.speculative_config import builtin_head_path
 from cluster.train.prompts import build_prompts
 
 warnings.filterwarnings("ignore")

@@ -21,8 +21,8 @@ import warnings
 from spec_sweep import heldout_chats, run  # (benchmarks/, next to this script)
 
 from cluster import LLM
+from cluster.config.speculative import builtin_head_path
 from cluster.models.default_model import ensure_default_model
-from cluster.speculative_config import builtin_head_path
 
 warnings.filterwarnings("ignore")
 

@@ -62,7 +62,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _download(args: argparse.Namespace) -> None:
-    from cluster.hub import resolve_model_path
+    from cluster.config.hub import resolve_model_path
 
     try:
         print(resolve_model_path(args.model, args.revision, download=True))

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
-from cluster.draft_registry import (
+from cluster.config.draft_registry import (
     DraftMethod,
     canonical_method_name,
     draft_method,
@@ -21,8 +21,8 @@ from cluster.draft_registry import (
     register_draft_method,
     registered_draft_method,
 )
+from cluster.config.speculative import SpeculativeConfig
 from cluster.spec_decode.batch import DraftProposal, ProposalBatch
-from cluster.speculative_config import SpeculativeConfig
 from cluster.train.pipeline import trainable_methods
 
 PROMPTS = [[5, 6, 7], list(range(100, 121)), [9, 8, 9, 8, 9, 8, 9]]

@@ -1,4 +1,4 @@
-"""`dtype="auto"` resolved as vLLM resolves it (`cluster.dtypes`), per CPU kind and device."""
+"""`dtype="auto"` resolved as vLLM resolves it (`cluster.config.dtypes`), per CPU kind and device."""
 
 import logging
 from types import SimpleNamespace
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import cluster.dtypes as dtypes
+import cluster.config.dtypes as dtypes
 from cluster.config import ModelConfig
 
 
@@ -35,7 +35,7 @@ def test_cpus_with_bfloat16_units_run_bfloat16(cpu_flags, flags, saved):
 
 def test_cpus_without_them_run_float32_and_say_so_once(cpu_flags, caplog):
     cpu_flags({"avx2", "avx512f"})
-    with caplog.at_level(logging.WARNING, logger="cluster.dtypes"):
+    with caplog.at_level(logging.WARNING, logger="cluster.config.dtypes"):
         assert dtypes.resolve_dtype("auto", saved_as("bfloat16"), "cpu") == torch.float32
         assert dtypes.resolve_dtype("auto", saved_as("float32"), "cpu") == torch.float32
     assert len([r for r in caplog.records if "no bfloat16" in r.message]) == 1

@@ -11,7 +11,7 @@ from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
 from cluster.config import ModelConfig
-from cluster.hub import is_hub_id, resolve_model_path
+from cluster.config.hub import is_hub_id, resolve_model_path
 from cluster.serve.args import ClusterArgs
 
 REPO = "tiny-org/tiny-chat"

@@ -19,7 +19,7 @@ TRITON_UNITS = {"kernels"}
 
 
 def _unit(name: str) -> str:
-    """`cluster/serve/` or `speculative_config.py` or `cluster.serve.x` -> its unit."""
+    """`cluster/serve/` or `outputs.py` or `cluster.serve.x` -> its unit."""
     name = name.strip("`").removeprefix("cluster/").removeprefix("cluster.").rstrip("/")
     if name in ("cluster", "__init__.py"):
         return "__init__"

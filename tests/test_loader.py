@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_llama
 
-from cluster.checkpoints import checkpoint_files, checkpoint_tensor_shapes
 from cluster.config import ModelConfig
+from cluster.config.checkpoints import checkpoint_files, checkpoint_tensor_shapes
 from cluster.models.loader import load_model
 from cluster.models.registry import model_class_for
 from cluster.parallel import ParallelState

@@ -20,8 +20,8 @@ from tp_workers import model_logits, spawn_ranks
 from transformers import AutoTokenizer
 
 from cluster import LLM, SamplingParams
-from cluster.architectures import TARGET_ARCHITECTURES
 from cluster.config import ModelConfig, engine_config_from_args
+from cluster.config.architectures import TARGET_ARCHITECTURES
 from cluster.models.loader import load_model
 from cluster.models.moe import experts_by_expert, experts_by_token
 from cluster.models.registry import supported_architectures

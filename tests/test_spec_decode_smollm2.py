@@ -74,7 +74,7 @@ def test_per_request_drafting_on_smollm2_is_lossless(setup):
     """The shipped EAGLE-3 head with per-request chains (min_draft_confidence) and hybrid
     lookup: fewer drafts per drafting step than k where the head doubts, lookup drafts
     where the answers repeat, the output unchanged."""
-    from cluster.speculative_config import builtin_head_path
+    from cluster.config.speculative import builtin_head_path
 
     path, _, prompts, baseline = setup
     spec = {

@@ -12,8 +12,8 @@ from tiny_models import make_tiny_chat_model, make_tiny_llama
 
 from cluster import LLM, SamplingParams
 from cluster.config import engine_config_from_args
+from cluster.config.speculative import SpeculativeConfig
 from cluster.spec_decode.ngram import ngram_drafts
-from cluster.speculative_config import SpeculativeConfig
 
 
 @pytest.fixture(scope="module")

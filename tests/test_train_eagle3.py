@@ -10,10 +10,10 @@ from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
 from cluster.config import ModelConfig
+from cluster.config.speculative import SpeculativeConfig
 from cluster.models.eagle3 import eagle3_aux_layers
 from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
-from cluster.speculative_config import SpeculativeConfig
 from cluster.train.dataset import Sample, cache_features
 from cluster.train.eagle3_model import Eagle3Trainable
 from cluster.train.loop import collate

@@ -11,9 +11,9 @@ from tiny_models import make_tiny_chat_model
 
 from cluster import LLM, SamplingParams
 from cluster.config import ModelConfig
+from cluster.config.speculative import SpeculativeConfig
 from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
-from cluster.speculative_config import SpeculativeConfig
 from cluster.train.dataset import Sample, cache_features
 from cluster.train.eagle_model import EagleTrainable
 from cluster.train.eagle_mtp_trainer import (

@@ -115,7 +115,7 @@ def test_without_the_kv_moves_the_steered_run_goes_wrong(target, baseline, monke
 
 
 def test_tree_configs_are_checked(target):
-    from cluster.speculative_config import SpeculativeConfig
+    from cluster.config.speculative import SpeculativeConfig
 
     _, _, specs = target
     eagle = {**specs["eagle"], "num_speculative_tokens": 3}

@@ -15,7 +15,7 @@ from cluster.actors.placement import (
 from cluster.actors.ray_executor import RayExecutor
 from cluster.actors.scheduler_actor import SchedulerActor
 from cluster.actors.worker_actor import WorkerActor
-from cluster.placement_config import PlacementConfig
+from cluster.config.placement import PlacementConfig
 
 __all__ = [
     "ACTOR_NAMESPACE",

@@ -34,11 +34,11 @@ from cluster.actors.placement import ACTOR_NAMESPACE, bundle_strategy
 from cluster.actors.scheduler_actor import SchedulerActor
 from cluster.actors.wire import OutputBatch, encode_request
 from cluster.config import EngineConfig
+from cluster.config.placement import PlacementConfig
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.frontend import FrontEnd, Prompt, stream_outputs
 from cluster.engine.stats import EngineStats
 from cluster.outputs import RequestOutput
-from cluster.placement_config import PlacementConfig
 from cluster.sampling_params import SamplingParams
 
 BatchObserver = Callable[[OutputBatch], None]

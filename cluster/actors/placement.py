@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.placement_config import PlacementConfig
+from cluster.config.placement import PlacementConfig
 
 # Named actors live here, so tests and operators can find (and count) them.
 ACTOR_NAMESPACE = "cluster"

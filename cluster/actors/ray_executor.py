@@ -45,8 +45,8 @@ from cluster.actors.step_graph import StepGraph
 from cluster.actors.step_sockets import StepSockets
 from cluster.actors.worker_actor import WorkerActor
 from cluster.config import EngineConfig
+from cluster.config.placement import PlacementConfig
 from cluster.engine.executor import Executor, PendingReplies, RankChannel
-from cluster.placement_config import PlacementConfig
 
 logger = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ from cluster.actors.output_socket import OutputSender
 from cluster.actors.ray_executor import RayExecutor
 from cluster.actors.wire import OutputBatch, decode_request
 from cluster.config import EngineConfig
+from cluster.config.placement import PlacementConfig
 from cluster.engine.core import EngineCore
 from cluster.engine.loop import EngineLoop
 from cluster.engine.messages import EngineCoreOutput
 from cluster.engine.stats import EngineStats
-from cluster.placement_config import PlacementConfig
 
 # How many aborts of not-yet-added request ids the scheduler remembers.
 _MAX_REMEMBERED_ABORTS = 4096

@@ -1,11 +1,11 @@
 """The built-in draft methods, one file each, registered in one table.
 
 Adding a method: a `DraftMethod` subclass in a new file here and one line below
-(`cluster/draft_registry.py` says what a method declares). Detection tries the methods
+(`cluster/config/draft_registry.py` says what a method declares). Detection tries the methods
 in this order, draft models last.
 """
 
-from cluster.draft_registry import register_draft_method
+from cluster.config.draft_registry import register_draft_method
 from cluster.methods.draft_model import DraftModelMethod
 from cluster.methods.eagle import Eagle
 from cluster.methods.eagle3 import Eagle3

@@ -9,9 +9,10 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from cluster.architectures import RECURRENT_ARCHITECTURES
 from cluster.config import ModelConfig
-from cluster.draft_registry import DraftKV, DraftMethod
+from cluster.config.architectures import RECURRENT_ARCHITECTURES
+from cluster.config.draft_registry import DraftKV, DraftMethod
+from cluster.config.speculative import SpeculativeConfig
 from cluster.methods.heads import check_same_vocabulary
 from cluster.models.attention import KVCache
 from cluster.models.compiled import CompileOptions
@@ -19,7 +20,6 @@ from cluster.models.loader import load_model
 from cluster.parallel import ParallelState
 from cluster.spec_decode.draft_model import DraftModelProposer
 from cluster.spec_decode.tree_drafting import TreeShape
-from cluster.speculative_config import SpeculativeConfig
 
 
 class DraftModelMethod(DraftMethod):

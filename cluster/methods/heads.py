@@ -9,7 +9,8 @@ from typing import Any, ClassVar
 from torch import nn
 
 from cluster.config import ModelConfig
-from cluster.draft_registry import DraftKV, DraftMethod
+from cluster.config.draft_registry import DraftKV, DraftMethod
+from cluster.config.speculative import SpeculativeConfig
 from cluster.models.attention import KVCache
 from cluster.models.compiled import CompileOptions
 from cluster.models.draft_base import DraftModel
@@ -17,7 +18,6 @@ from cluster.models.loader import load_draft_head
 from cluster.parallel import ParallelState
 from cluster.spec_decode.eagle import EagleProposer
 from cluster.spec_decode.tree_drafting import TreeShape
-from cluster.speculative_config import SpeculativeConfig
 
 
 class DraftHeadMethod(DraftMethod):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from cluster.draft_registry import DraftSource
+from cluster.config.draft_registry import DraftSource
 from cluster.methods.heads import DraftHeadMethod
 from cluster.models.draft_base import DraftModel
 from cluster.models.mtp import DeepSeekMTP, Qwen3NextMTP

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from cluster.draft_registry import DraftKV, DraftMethod, DraftSource
+from cluster.config.draft_registry import DraftKV, DraftMethod, DraftSource
+from cluster.config.speculative import SpeculativeConfig
 from cluster.spec_decode.ngram import NgramProposer
-from cluster.speculative_config import SpeculativeConfig
 
 
 class Ngram(DraftMethod):

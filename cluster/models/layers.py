@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.architectures import ROPE_TYPES
+from cluster.config.architectures import ROPE_TYPES
 from cluster.kernels.rmsnorm import rms_norm
 
 

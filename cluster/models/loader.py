@@ -1,4 +1,4 @@
-"""Load an HF checkpoint (safetensors or `.bin`, `cluster.checkpoints`) into a (sharded)
+"""Load an HF checkpoint (safetensors or `.bin`, `cluster.config.checkpoints`) into a (sharded)
 model.
 
 Every checkpoint tensor is handed to its parameter's `weight_loader` as a
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from cluster.checkpoints import checkpoint_tensor_shapes, iterate_tensors
 from cluster.config import ModelConfig
+from cluster.config.checkpoints import checkpoint_tensor_shapes, iterate_tensors
 from cluster.models.draft_base import DraftModel
 from cluster.models.fp8 import block_size_of, dequantizing
 from cluster.models.registry import model_class_for

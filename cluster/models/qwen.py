@@ -6,7 +6,7 @@ few differences each family has.
 - Qwen3-MoE: Qwen3's attention; sparse MoE blocks (`moe.SparseMoeBlock`) in the layers
   that `decoder_sparse_step` and `mlp_only_layers` pick, dense MLPs elsewhere.
 - Mistral: Llama's layers; its sliding window is refused at config time unless
-  `max_model_len` fits inside it (`cluster.architectures`).
+  `max_model_len` fits inside it (`cluster.config.architectures`).
 """
 
 from __future__ import annotations

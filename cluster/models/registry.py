@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from cluster.architectures import architecture_of
+from cluster.config.architectures import architecture_of
 from cluster.models.deepseek import DeepseekV3ForCausalLM
 from cluster.models.llama import LlamaForCausalLM
 from cluster.models.qwen import (

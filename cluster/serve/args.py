@@ -23,8 +23,8 @@ from cluster.config import (
     SchedulerConfig,
     engine_config_from_args,
 )
-from cluster.hub import is_hub_id, resolve_model_path
-from cluster.placement_config import PlacementConfig
+from cluster.config.hub import is_hub_id, resolve_model_path
+from cluster.config.placement import PlacementConfig
 
 LLM_DEPLOYMENT = "LLMServer"  # the name of the one deployment an app has
 
@@ -41,7 +41,7 @@ class ModelArgs(_Frozen):
     id: str | None = Field(
         default=None, description="served model name (default: the Hub id, or the folder name)"
     )
-    path: str | None = None  # a local folder or a Hugging Face id (`cluster.hub`)
+    path: str | None = None  # a local folder or a Hugging Face id (`cluster.config.hub`)
     revision: str | None = None
     tokenizer: str | None = None
     dtype: DTypeName = "auto"
@@ -106,7 +106,7 @@ class ClusterArgs(_Frozen):
                 "speculative needs a method (ngram, eagle, eagle3, mtp, draft_model) or a "
                 "draft model folder to detect it from"
             )
-        from cluster.speculative_config import SpeculativeConfig
+        from cluster.config.speculative import SpeculativeConfig
 
         unknown = sorted(set(spec) - set(SpeculativeConfig.model_fields))
         if unknown:

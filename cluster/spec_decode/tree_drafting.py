@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.config.speculative import SpeculativeConfig
 from cluster.draft_tree import Candidate, DraftTree, select_tree
 from cluster.models.attention import AttentionMetadata, KVCache, attention_context
 from cluster.sample.randomness import draw_inv_exponentials
 from cluster.sampling_params import SamplingParams
-from cluster.speculative_config import SpeculativeConfig
 
 # forward(input_ids [m], hidden [m, H] | None, positions [m], step)
 #   -> (logits [m, vocab], next hidden | None); run inside the pass's attention context.

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from cluster.draft_registry import draft_method, draft_methods
+from cluster.config.draft_registry import draft_method, draft_methods
 from cluster.train.dataset import answer_with_follow_ups, cache_features, feature_dirs
 from cluster.train.feature_store import load_shards
 from cluster.train.inputs import TrainInputs

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from cluster.dtypes import cpu_has_bf16_matmul
+from cluster.config.dtypes import cpu_has_bf16_matmul
 
 
 @dataclass(frozen=True)

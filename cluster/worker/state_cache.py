@@ -17,7 +17,7 @@ Slots follow the scheduler's messages: a new request takes one, a freed request
 (finished, aborted or preempted) gives it back; a preempted request comes back as new
 and recomputes from position 0, so from a zero state. Prefix-cache hits would start a
 request past 0 with no state, so engines with recurrent layers run without prefix
-caching (`cluster.architectures.RECURRENT_ARCHITECTURES`).
+caching (`cluster.config.architectures.RECURRENT_ARCHITECTURES`).
 """
 
 from __future__ import annotations

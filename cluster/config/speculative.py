@@ -17,17 +17,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.draft_registry import (
+from cluster.config.draft_registry import (
     DraftMethod,
     canonical_method_name,
     detect_draft,
     read_draft_config,
 )
-from cluster.draft_registry import (
+from cluster.config.draft_registry import (
     draft_method as method_named,
 )
+from cluster.config.hub import is_hub_id, resolve_model_path
 from cluster.draft_tree import max_tree_nodes
-from cluster.hub import is_hub_id, resolve_model_path
 
 BUILTIN_PREFIX = "builtin:"
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram window when neither end is given
@@ -66,7 +66,8 @@ def from_vllm(data: dict[str, Any]) -> dict[str, Any]:
 
 def builtin_head_path(name: str) -> str:
     """A draft head shipped inside the package (`cluster/heads/<name>`)."""
-    return os.path.join(os.path.dirname(__file__), "heads", name)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # cluster/
+    return os.path.join(package, "heads", name)
 
 
 # A draft tree's root and nodes (target verification) and fed nodes (drafting) each need a
@@ -141,7 +142,7 @@ class TreeConfig(BaseModel):
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
-    # A registered draft method's name or alias (`cluster.draft_registry`); None: the one
+    # A registered draft method's name or alias (`cluster.config.draft_registry`); None: the one
     # that recognises the checkpoint at `model`.
     method: str | None = None
     # The draft checkpoint folder; for "mtp" it defaults to the target's own checkpoint.

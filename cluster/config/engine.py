@@ -16,10 +16,10 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cluster.architectures import check_target_config, has_recurrent_layers
-from cluster.dtypes import resolve_dtype
-from cluster.hub import resolve_model_path
-from cluster.speculative_config import SpeculativeConfig
+from cluster.config.architectures import check_target_config, has_recurrent_layers
+from cluster.config.dtypes import resolve_dtype
+from cluster.config.hub import resolve_model_path
+from cluster.config.speculative import SpeculativeConfig
 
 DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
 
@@ -59,7 +59,7 @@ class ModelConfig(_Frozen):
     """Which checkpoint to serve and at what precision and length."""
 
     # The local HF folder (config.json, tokenizer, *.safetensors), or a Hugging Face id
-    # found in the Hub cache (`cluster.hub`), which becomes its snapshot folder here. The
+    # found in the Hub cache (`cluster.config.hub`), which becomes its snapshot folder here. The
     # default model is resolved to its converted folder by `cluster.models.default_model`.
     path: str = Field(description="local folder or Hugging Face id of a checkpoint")
     # A Hub id's branch, tag or commit (vLLM's `revision`); the commit once resolved.
@@ -127,7 +127,7 @@ class ModelConfig(_Frozen):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The compute dtype; "auto" as `cluster.dtypes.resolve_dtype` resolves it
+        """The compute dtype; "auto" as `cluster.config.dtypes.resolve_dtype` resolves it
         (bfloat16 on CPUs with bfloat16 matrix instructions, the checkpoint's 16-bit
         dtype on CUDA)."""
         return resolve_dtype(self.dtype, self.hf_config, self.resolved_device)

@@ -25,7 +25,7 @@ import os
 from collections.abc import Iterator
 from typing import Any, ClassVar, Literal
 
-from cluster.checkpoints import checkpoint_tensor_shapes
+from cluster.config.checkpoints import checkpoint_tensor_shapes
 
 DraftSource = Literal["model", "target", "none"]
 DraftKV = Literal["target", "own", "none"]
