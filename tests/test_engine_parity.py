@@ -66,8 +66,9 @@ def _check(hf_model, prompts, outputs, references):
 
 
 def test_each_prompt_alone(llm, hf_model, prompts, references):
-    outputs = [llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0] for p in prompts]
-    _check(hf_model, prompts, outputs, references)
+    alone = prompts[:3]  # the batched test below runs all of them
+    outputs = [llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0] for p in alone]
+    _check(hf_model, alone, outputs, references[:3])
 
 
 def test_all_prompts_batched(llm, hf_model, prompts, references):

@@ -67,7 +67,7 @@ class Worker:
         # The draft, the sampler and the rejection sampler live on the last pipeline stage.
         self.draft_method = spec.draft_method if spec is not None else None
         self.draft: nn.Module | None = None
-        if spec is not None and self.draft_method is not None and self.state.is_last_stage:
+        if self.draft_method is not None and self.state.is_last_stage:
             self.draft = self.draft_method.load_draft(spec, config.model, self.model, self.state)
         # bfloat16 on CPU: every linear layer's weight prepacked for oneDNN, once, now that
         # the last weight is in (eager steps read them; compiled graphs pack their own).
