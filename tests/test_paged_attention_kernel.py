@@ -299,7 +299,7 @@ def test_tree_masks_can_start_before_the_new_tokens(block_size):
 def test_decode_split_into_length_groups_equals_one_padded_group(block_size, monkeypatch):
     """A large decode batch is split into groups of similar context length (so short
     sequences are not padded to the longest); the result must not change, trees included."""
-    import cluster.kernels.paged_attention as pa
+    import cluster.kernels.attention_plan as plan_module
 
     gen = torch.Generator().manual_seed(7 + block_size)
     lengths = [(3, 1), (90, 1), (40, 3), (11, 1), (200, 2), (6, 4)]  # (cached, new)
@@ -309,8 +309,8 @@ def test_decode_split_into_length_groups_equals_one_padded_group(block_size, mon
     first = batch["query_start_loc"][q_lens.index(4)]  # a 4-token tree: root, two children
     bits[first : first + 4] = torch.tensor([0b0001, 0b0011, 0b0101, 0b0111])
     one_group = [paged_attention_ref(**batch), paged_attention_ref(**batch, tree_bits=bits)]
-    monkeypatch.setattr(pa, "SINGLE_GROUP_KEYS", 0)
-    plan = pa.plan_paged_attention(
+    monkeypatch.setattr(plan_module, "SINGLE_GROUP_KEYS", 0)
+    plan = plan_module.plan_paged_attention(
         batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], block_size
     )
     assert len(plan.groups) >= 4

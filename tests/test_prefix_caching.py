@@ -117,17 +117,22 @@ def _run(path, spec=None, cache=True, **overrides):
 def _record_drafts(llm):
     """request id -> the drafts proposed for it, step by step (from each step's output)."""
     executor = llm.engine.core.executor
-    execute_model = executor.execute_model
+    submit_model = executor.submit_model
     drafts = {}
 
     def recording(scheduler_output):
-        output = execute_model(scheduler_output)
-        for req_id, tokens in zip(output.req_ids, output.draft_token_ids, strict=False):
-            if tokens:  # (a prefill chunk that samples nothing drafts nothing)
-                drafts.setdefault(req_id, []).append(list(tokens))
+        wait = submit_model(scheduler_output)
+
+        def output():
+            out = wait()
+            for req_id, tokens in zip(out.req_ids, out.draft_token_ids, strict=False):
+                if tokens:  # (a prefill chunk that samples nothing drafts nothing)
+                    drafts.setdefault(req_id, []).append(list(tokens))
+            return out
+
         return output
 
-    executor.execute_model = recording
+    executor.submit_model = recording
     return drafts
 
 
@@ -153,6 +158,7 @@ def test_cached_prefixes_keep_speculation_exact(target, baseline, method):
     fresh, fresh_drafts, _ = _run(path, specs[method], cache=False)
     assert hit_rate > 0.5
     assert [o.token_ids for o in cached] == [o.token_ids for o in fresh] == baseline
+    assert any(r is not None for r in cached_drafts + fresh_drafts)  # the drafts were seen
     if method == "mtp_deepseek":
         # Its second layer (draft 2) reads layer 1's output at the position before: the
         # first position after a hit has none kept and reads its own instead, so only
