@@ -32,11 +32,11 @@ class DraftModelMethod(DraftMethod):
         return "draft_model"
 
     def check_target(self, kind: str, draft_config: dict[str, Any], target_config: Any) -> None:
-        if set(draft_config.get("architectures") or []) & set(RECURRENT_ARCHITECTURES):
+        recurrent = set(draft_config.get("architectures") or []) & set(RECURRENT_ARCHITECTURES)
+        if recurrent:
             raise ValueError(
-                f"the draft model {draft_config.get('_name_or_path', '')!r} has recurrent "
-                "layers; a draft LM must be attention-only (its states are not kept per "
-                "verified token)"
+                f"the draft model is a {sorted(recurrent)[0]}, which has recurrent layers; a "
+                "draft LM must be attention-only (its states are not kept per verified token)"
             )
         check_same_vocabulary(draft_config, target_config)
 

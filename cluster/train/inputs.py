@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from cluster.train.loop import TrainConfig
+from cluster.train.train_config import TrainConfig
 
 
 @dataclass(frozen=True)
