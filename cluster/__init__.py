@@ -7,7 +7,14 @@ import cluster.methods  # noqa: F401  (registers the built-in draft methods)
 from cluster.llm import LLM
 from cluster.outputs import CompletionOutput, RequestOutput
 from cluster.sampling_params import SamplingParams
+from cluster.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]

@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
+from cluster.structured_outputs import StructuredOutputsParams
+
 # Temperatures below this are greedy: dividing logits by them would only approximate the
 # argmax and risks overflow. This is the single definition the samplers rely on (through
 # `SamplingParams.is_greedy`), so no sentinel temperature can drift out of sync.
@@ -76,6 +78,9 @@ class SamplingParams(BaseModel):
     # (token id, bias) pairs added to the logits before anything else; the OpenAI form
     # {"token id": bias} is accepted too.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # The shape the output must take (JSON schema, regex, choice, grammar): every token
+    # the grammar forbids is masked before sampling, at draft positions too.
+    structured_outputs: StructuredOutputsParams | None = None
 
     @field_validator("n")
     @classmethod

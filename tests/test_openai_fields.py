@@ -18,7 +18,6 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}
 # Values that ask for something this server cannot do, one per unsupported field.
 ASKING = {
-    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "required",
     "parallel_tool_calls": "yes",
@@ -57,7 +56,7 @@ def test_unsupported_fields_are_refused_by_name_unless_neutral(field):
     cls = CompletionRequest if field == "suffix" else ChatCompletionRequest
     with pytest.raises(ValidationError, match=field):
         cls(**base, **{field: ASKING[field]})
-    neutral = {"response_format": {"type": "text"}, "modalities": ["text"]}.get(field)
+    neutral = {"modalities": ["text"]}.get(field)
     cls(**base, **{field: neutral})  # None / the neutral value asks for nothing
 
 
@@ -93,3 +92,38 @@ def test_top_k_zero_and_minus_one_turn_it_off():
     for off in (0, -1):
         assert CompletionRequest(**COMPLETION, top_k=off).sampling_params().top_k == -1
     assert CompletionRequest(**COMPLETION, top_k=5).sampling_params().top_k == 5
+
+
+def test_response_format_and_vllm_guided_fields_become_structured_outputs():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    formats = {
+        "text": ({"type": "text"}, None),
+        "json_object": ({"type": "json_object"}, "json_object"),
+        "json_schema": (
+            {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+            "json",
+        ),
+    }
+    for cls, base in ((ChatCompletionRequest, CHAT), (CompletionRequest, COMPLETION)):
+        for response_format, kind in formats.values():
+            spec = cls(**base, response_format=response_format).sampling_params().structured_outputs
+            assert (spec and spec.kind) == kind
+    for field, value, kind in [
+        ("guided_json", schema, "json"),
+        ("guided_regex", "[a-z]+", "regex"),
+        ("guided_choice", ["yes", "no"], "choice"),
+        ("guided_grammar", 'root ::= "a" | "b"', "grammar"),
+        ("structured_outputs", {"choice": ["x"]}, "choice"),
+    ]:
+        params = ChatCompletionRequest(**CHAT, **{field: value}).sampling_params()
+        assert params.structured_outputs.kind == kind
+    # Two ways at once, a schema xgrammar cannot follow, a json_schema without its schema
+    for bad, where in [
+        ({"response_format": formats["json_object"][0], "guided_regex": "a"}, "guided_regex"),
+        ({"guided_json": {"type": "nonsense"}}, "structured_outputs.json"),
+        ({"guided_regex": "(["}, "structured_outputs.regex"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+    ]:
+        with pytest.raises(ValueError, match=where):
+            ChatCompletionRequest(**CHAT, **bad).sampling_params()

@@ -22,6 +22,7 @@ from cluster.serve import GenerateRequest, load_manifest
 from cluster.serve.errors import InvalidRequestError
 from cluster.serve.launch import deploy
 from cluster.serve.openai_protocol import CompletionRequest
+from cluster.structured_outputs import StructuredOutputsParams
 
 DEFAULT = os.path.join(os.path.dirname(__file__), "..", "cluster", "manifests", "default.yaml")
 API_KEY = "sk-test"
@@ -35,6 +36,13 @@ SECTIONS = {
     "scheduler": {"max_num_seqs": 2},
 }
 FLAT = {"max_model_len": 512, "num_kv_blocks": 96, "max_num_seqs": 2}
+JSON_QUESTION = "Describe a city as JSON."
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "rainy": {"type": "boolean"}},
+    "required": ["city", "rainy"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +72,11 @@ def served(smollm2_path):
         )[0]
         with_prompt = with_logprobs.model_copy(update={"prompt_logprobs": 2})
         reference["echo"] = plain.generate(PROMPT, with_prompt, use_tqdm=False)[0]
+        shaped = SamplingParams(
+            temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+        )
+        ask = [{"role": "user", "content": JSON_QUESTION}]
+        reference["json"] = plain.chat(ask, shaped, use_tqdm=False)[0]
     init_local_ray(num_cpus=2)
     _, url = deploy(manifest)
     reference["speculating"] = speculating
@@ -265,6 +278,40 @@ def test_bad_requests_get_openai_errors(served, smollm2_path):
     forced = client.completions.create(**ok, temperature=0.8, logit_bias={"42": 100})
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     assert forced.choices[0].text == tokenizer.decode([42] * ok["max_tokens"])
+
+
+def test_json_schema_json_mode_and_guided_choice(served):
+    """OpenAI's `response_format` and vLLM's guided fields through the real client: the
+    served engine (speculating) answers exactly what the offline engine without
+    speculation does, and the answers parse."""
+    url, _, reference = served
+    client = _client(url)
+    ask = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 64}
+    messages = [{"role": "user", "content": JSON_QUESTION}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    for stream in (False, True):
+        out = client.chat.completions.create(
+            **ask, messages=messages, response_format=schema_format, stream=stream
+        )
+        text = (
+            "".join(c.choices[0].delta.content or "" for c in out)
+            if stream
+            else out.choices[0].message.content
+        )
+        assert text == reference["json"].outputs[0].text
+        assert set(json.loads(text)) == {"city", "rainy"}
+    out = client.chat.completions.create(
+        **ask, messages=messages, response_format={"type": "json_object"}
+    )
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    picked = client.completions.create(
+        **ask, prompt="Is water wet?", extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert picked.choices[0].text in ("yes", "no") and picked.choices[0].finish_reason == "stop"
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError, match=r"structured_outputs\.json"):
+        client.chat.completions.create(**ask, messages=messages, response_format=bad)
 
 
 def test_full_queue_gets_429_and_leaving_clients_free_their_requests(served):

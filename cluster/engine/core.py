@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import KVBlockManager
 from cluster.engine.executor import Executor, PendingOutput
+from cluster.engine.grammar import GrammarCompiler
 from cluster.engine.messages import EngineCoreOutput, SchedulerOutput
 from cluster.engine.request import Request
 from cluster.engine.scheduler import Scheduler
@@ -72,7 +73,16 @@ class EngineCore:
         if spec is not None and spec.adaptive:
             self.spec_controller = SpecController(spec.num_speculative_tokens)
 
+        self.grammars = GrammarCompiler(config.model)
+
     def add_request(self, request: Request) -> None:
+        spec = request.sampling_params.structured_outputs
+        if spec is not None:
+            params = request.sampling_params
+            stops = list(params.stop_token_ids)
+            if request.eos_token_id is not None and not params.ignore_eos:
+                stops.insert(0, request.eos_token_id)
+            request.grammar = self.grammars.request_grammar(spec, stops)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:

@@ -56,6 +56,9 @@ class ScheduledRequest:
     # Draft trees: the parent of each draft (-1: the token before the drafts), None for a
     # chain (`cluster.draft_tree`)
     spec_parents: list[int] | None = None
+    # Guided decoding: int32 [1 + num_spec_tokens, ceil(vocab / 32)] allowed-token bits of
+    # each sampled row (`cluster.engine.grammar`), None for a request without a grammar
+    grammar_bitmask: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.draft_tree import DraftTree
+from cluster.engine.grammar import RequestGrammar
 from cluster.engine.messages import PromptLogprobs, TokenLogprobs
 from cluster.sampling_params import SamplingParams
 
@@ -44,6 +45,8 @@ class Request:
     # Prompt logprobs gathered chunk by chunk, for a request that asked; None once they
     # went out with its first tokens (and for every other request).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # Guided decoding: the grammar state of the output so far (set by the engine core).
+    grammar: RequestGrammar | None = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None:
@@ -123,13 +126,19 @@ class Request:
                 self.finish(FinishReason.LENGTH)
             if self.is_finished:
                 break
+        if self.grammar is not None:
+            self.grammar.accept(appended)
         return appended
 
     def set_limited_drafts(
         self, drafts: list[int], parents: list[int] | None, max_model_len: int
     ) -> None:
         """The next step's drafts, none past max_tokens (a step yields at most depth + 1
-        tokens) or max_model_len (every draft takes a slot)."""
+        tokens) or max_model_len (every draft takes a slot), nor past the first one the
+        request's grammar forbids."""
+        if self.grammar is not None:
+            count = self.grammar.num_valid_drafts(drafts, parents)
+            drafts, parents = drafts[:count], None if parents is None else parents[:count]
         room = max_model_len - self.num_tokens
         depth_room = room
         if self.max_tokens is not None:

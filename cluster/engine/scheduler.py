@@ -234,14 +234,19 @@ class Scheduler:
         num_spec = max(0, start + num_new - request.num_tokens)
         if num_spec < len(request.spec_token_ids):  # trimmed by the budget
             self._keep_drafts(request, num_spec)
+        sample = start + num_new >= request.num_tokens
+        bitmask = None
+        if sample and request.grammar is not None:
+            bitmask = request.grammar.bitmask(request.spec_token_ids, request.spec_parents)
         return ScheduledRequest(
             req_id=request.request_id,
             token_ids=request.token_ids(start, start + num_new),
             num_computed_tokens=start,
             num_spec_tokens=num_spec,
             new_block_ids=new_blocks,
-            sample=start + num_new >= request.num_tokens,
+            sample=sample,
             spec_parents=request.spec_parents if num_spec else None,
+            grammar_bitmask=bitmask,
         )
 
     @staticmethod

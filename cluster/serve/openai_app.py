@@ -45,9 +45,9 @@ from cluster.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ResponseFormatter,
     TokenizeRequest,
 )
+from cluster.serve.openai_responses import ResponseFormatter
 from cluster.serve.protocol import GenerateOutput, GenerateRequest
 from cluster.serve.server import LLMServer
 

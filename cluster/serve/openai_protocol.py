@@ -12,21 +12,24 @@ OpenAI's `logit_bias`); every bad value becomes a 400 naming the field.
 No field is ignored in silence. Every field of OpenAI's requests is one of: honoured;
 accepted with no effect on what is computed (`NO_EFFECT_FIELDS`: identifiers and hints
 such as `user`); or refused with a 400 naming it unless it holds its neutral value
-(`UNSUPPORTED_FIELDS`, e.g. `tools`, or a `response_format` other than text). A field
-OpenAI's API does not have is refused too.
+(`UNSUPPORTED_FIELDS`, e.g. `tools`). A field OpenAI's API does not have is refused too
+(vLLM's extensions named above and its guided-decoding fields are honoured).
+
+`response_format` (`json_object`, `json_schema`) and vLLM's `structured_outputs` /
+`guided_*` fields become the request's `StructuredOutputsParams`: the grammar masks every
+sampled position, drafts included.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.sampling_params import MAX_CHOICES, SamplingParams
-from cluster.serve.protocol import ChatMessage, GenerateOutput, TokenLogprob
+from cluster.serve.protocol import ChatMessage
+from cluster.structured_outputs import StructuredOutputsParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 _SAMPLING_FIELDS = (
@@ -68,10 +71,6 @@ def _off(value: Any) -> bool:
 # Fields this server cannot honour: refused (400 naming the field) unless they hold the
 # value that asks for nothing.
 UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "response_format": (
-        "only {'type': 'text'} (no guided decoding yet)",
-        lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    ),
     "tools": ("tool calling is not supported yet", _off),
     "tool_choice": ("tool calling is not supported yet", _off),
     "parallel_tool_calls": ("no effect without tools", lambda v: v in (None, False, True)),
@@ -87,6 +86,47 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "suffix": ("insertion (a suffix) is not supported", _off),
     "chat_template_kwargs": ("not supported yet", _off),
     "moderation": ("no moderation here", _off),
+}
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: OpenAI's named schema (`strict` is how we follow it
+    anyway: the grammar allows nothing else)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema is given with type 'json_schema'")
+        return self
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema.json_schema)  # type: ignore[union-attr]
+        return None
+
+
+# vLLM's older request fields for guided decoding -> `structured_outputs` keys.
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
 }
 
 
@@ -135,10 +175,45 @@ class _OpenAIRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Guided decoding: OpenAI's `response_format`, or vLLM's `structured_outputs` (and its
+    # older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        given = {
+            name: value
+            for name, value in (
+                (
+                    "response_format",
+                    self.response_format and self.response_format.structured_outputs(),
+                ),
+                ("structured_outputs", self.structured_outputs),
+                *(
+                    (f, StructuredOutputsParams(**{key: getattr(self, f)}))
+                    for f, key in _GUIDED_FIELDS.items()
+                    if getattr(self, f) is not None
+                ),
+            )
+            if value is not None
+        }
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)}: give one way to shape the output")
+        return next(iter(given.values()), None)
 
     def _sampling(self, max_tokens: int | None, **fields: Any) -> SamplingParams:
         values = {f: getattr(self, f) for f in _SAMPLING_FIELDS if getattr(self, f) is not None}
-        return SamplingParams(n=self.n, max_tokens=max_tokens, **fields, **values)
+        return SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens,
+            structured_outputs=self._structured_outputs(),
+            **fields,
+            **values,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -227,119 +302,3 @@ class DetokenizeRequest(BaseModel):
 
     model: str
     tokens: list[int]
-
-
-def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-
-
-def _usage(outs: list[GenerateOutput], choices_per_prompt: int) -> dict[str, int]:
-    """Every prompt's tokens (choice i * n + j answers prompt i), every choice's tokens."""
-    prompt = sum(o.num_prompt_tokens for o in outs[::choices_per_prompt])
-    completion = sum(o.num_output_tokens for o in outs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-class ResponseFormatter:
-    """Builds one request's response body or stream chunks (completion or chat), for
-    each of its choices (`index`)."""
-
-    def __init__(
-        self, model: str, chat: bool, echo_only: bool = False, choices_per_prompt: int = 1
-    ) -> None:
-        self.model = model
-        self.choices_per_prompt = choices_per_prompt
-        self.chat = chat
-        # Completions with `echo` and `max_tokens: 0`: the prompt alone, no completion.
-        self.echo_only = echo_only
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self._sent_role: set[int] = set()
-        self._text_offset: dict[int, int] = {}  # completions' `text_offset` of the next token
-
-    def _logprobs(self, tokens: list[TokenLogprob] | None, index: int) -> dict[str, Any] | None:
-        """OpenAI's logprobs object for these tokens: chat's `content` list, or the legacy
-        completions' parallel lists."""
-        if tokens is None:
-            return None
-        if self.chat:
-            return {
-                "content": [
-                    {
-                        **_chat_logprob(t.token, t.logprob),
-                        "top_logprobs": [_chat_logprob(x.token, x.logprob) for x in t.top],
-                    }
-                    for t in tokens
-                ]
-            }
-        offsets = []
-        offset = self._text_offset.get(index, 0)
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t.token)
-        self._text_offset[index] = offset
-        return {
-            "tokens": [t.token for t in tokens],
-            "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [
-                None if t.logprob is None else {x.token: x.logprob for x in t.top} for t in tokens
-            ],
-            "text_offset": offsets,
-        }
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def _choice(self, out: GenerateOutput, index: int, body: dict[str, Any]) -> dict[str, Any]:
-        tokens = out.logprobs
-        if not self.chat:  # `echo`: the prompt's tokens first (when the output has them)
-            tokens = None if tokens is None else [] if self.echo_only else tokens
-            if out.prompt_logprobs is not None:
-                tokens = out.prompt_logprobs + (tokens or [])
-        logprobs = self._logprobs(tokens, index)
-        return {"index": index, **body, "finish_reason": out.finish_reason, "logprobs": logprobs}
-
-    def _text(self, out: GenerateOutput) -> str:
-        """A completion's text: the echoed prompt (in the first output), then the answer."""
-        return (out.prompt or "") + ("" if self.echo_only else out.text)
-
-    def full(self, outs: list[GenerateOutput]) -> dict[str, Any]:
-        """The whole response: one choice per output, in order."""
-        choices = []
-        for index, out in enumerate(outs):
-            if self.chat:
-                body = {"message": {"role": "assistant", "content": out.text}}
-            else:
-                body = {"text": self._text(out)}
-            choices.append(self._choice(out, index, body))
-        envelope = self._envelope("chat.completion" if self.chat else "text_completion", choices)
-        return {**envelope, "usage": _usage(outs, self.choices_per_prompt)}
-
-    def chunk(self, out: GenerateOutput, index: int = 0) -> dict[str, Any]:
-        """A stream chunk carrying choice `index`'s new piece."""
-        if self.chat:
-            delta: dict[str, Any] = {"content": out.text}
-            if index not in self._sent_role:
-                delta["role"] = "assistant"
-                self._sent_role.add(index)
-            choice = self._choice(out, index, {"delta": delta})
-            return self._envelope("chat.completion.chunk", [choice])
-        return self._envelope(
-            "text_completion", [self._choice(out, index, {"text": self._text(out)})]
-        )
-
-    def usage_chunk(self, lasts: list[GenerateOutput]) -> dict[str, Any]:
-        """The final chunk with usage (`stream_options.include_usage`), from each choice's
-        last output."""
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(obj, []), "usage": _usage(lasts, self.choices_per_prompt)}

@@ -25,6 +25,7 @@ from cluster.sample import (
     SpecDecodeMetadata,
     compute_logprobs,
 )
+from cluster.sample.grammar_mask import apply_token_bitmask, bitmask_rows
 from cluster.sample.tree_sampler import TreeRejectionSampler
 from cluster.worker.request_state import CachedRequestState
 
@@ -89,11 +90,23 @@ class Verifier:
         sampled: list[ScheduledRequest],
         states: list[CachedRequestState],
     ) -> Verified:
-        """Sample, or verify the drafts of, every request that samples this step."""
+        """Sample, or verify the drafts of, every request that samples this step (rows
+        of guided requests masked by their grammars first)."""
+        self._apply_grammars(logits, sampled)
         if any(s.spec_parents is not None for s in sampled):
             return self._verify_trees(logits, sampled, states)
         tokens, logprobs = self._sample(logits, sampled, states)
         return Verified(tokens, logprobs, {})
+
+    def _apply_grammars(self, logits: torch.Tensor, sampled: list[ScheduledRequest]) -> None:
+        guided, first = [], 0
+        for item in sampled:
+            num_rows = 1 + item.num_spec_tokens
+            if item.grammar_bitmask is not None:
+                guided.append((first, num_rows, item.grammar_bitmask))
+            first += num_rows
+        if guided:
+            apply_token_bitmask(logits, *bitmask_rows(guided, self.device))
 
     def _sample(
         self,
