@@ -143,11 +143,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation (with the `tools` it may
+        call, in OpenAI's form, for templates that render them), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         frontend = self.engine.frontend
-        prompts = [frontend.chat_prompt(conv, add_generation_prompt) for conv in conversations]
+        prompts = [
+            frontend.chat_prompt(conv, add_generation_prompt, tools) for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 
 import yaml
@@ -92,6 +93,23 @@ def _complete(url: str) -> int:
     return json.loads(_completions(url))["usage"]["completion_tokens"]
 
 
+def _auto_tools_refused(url: str) -> bool:
+    """A chat request with tools ("auto" by default) to a server without a tool-call
+    parser: a 400 naming tool_choice, as vLLM without --enable-auto-tool-choice."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    try:
+        urllib.request.urlopen(request, timeout=60)
+    except urllib.error.HTTPError as e:
+        return e.code == 400 and "tool_choice" in json.loads(e.read())["error"]["message"]
+    return False
+
+
 def _stream(url: str) -> str:
     """A streamed completion's text, from its server-sent events."""
     lines = _completions(url, stream=True).splitlines()
@@ -128,6 +146,7 @@ def test_two_cluster_serves_each_run_their_own_ray_and_stop_on_ctrl_c(tmp_path, 
         with urllib.request.urlopen(f"{first_url}/health", timeout=30) as r:
             assert r.status == 200
         assert _complete(first_url) == 4
+        assert _auto_tools_refused(first_url)
         # Only now the same manifest again (same application name), on the same machine:
         # joining the first one's Ray is what must not happen.
         second = Server(manifest)
@@ -187,12 +206,17 @@ def test_cluster_serve_takes_a_hub_id_with_vllms_flags(tmp_path, smollm2_path):
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'
     flags = ["--tensor-parallel-size", "2", "--speculative-config", spec, "--max-model-len", "128"]
     command = [sys.executable, "-m", "cluster.cli", "serve", repo, *flags]
+    tools = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     printed = subprocess.run(
-        [*command, "--print-manifest"], env={**os.environ, **env}, capture_output=True, text=True
+        [*command, *tools, "--print-manifest"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
     )
     app = yaml.safe_load(printed.stdout)["applications"][0]["args"]
     assert app["parallel"]["tensor_parallel_size"] == 2 and app["model"]["path"] == repo
     assert app["speculative"] == json.loads(spec)
+    assert app["server"] == {"enable_auto_tool_choice": True, "tool_call_parser": "hermes"}
     manifest = tiny_manifest(tmp_path, smollm2_path, "plain")
     refused = subprocess.run(
         [sys.executable, "-m", "cluster.cli", "serve", manifest, "-tp", "2"],

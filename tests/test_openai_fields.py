@@ -18,9 +18,6 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}
 # Values that ask for something this server cannot do, one per unsupported field.
 ASKING = {
-    "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "required",
-    "parallel_tool_calls": "yes",
     "functions": [{"name": "f"}],
     "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"},

@@ -53,7 +53,16 @@ def served(smollm2_path):
     spec = {"speculative": {"adaptive": False}} if speculating else {"speculative": None}
     manifest = (
         load_manifest(DEFAULT)
-        .with_args(**SECTIONS, **spec, server={"api_key": API_KEY, "max_waiting_requests": 1})
+        .with_args(
+            **SECTIONS,
+            **spec,
+            server={
+                "api_key": API_KEY,
+                "max_waiting_requests": 1,
+                "enable_auto_tool_choice": True,
+                "tool_call_parser": "hermes",
+            },
+        )
         .with_deployment("LLMServer", graceful_shutdown_timeout_s=1)
     )
     offline = {**FLAT, **({} if speculating else {"speculative_config": None})}
@@ -312,6 +321,71 @@ def test_json_schema_json_mode_and_guided_choice(served):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
     with pytest.raises(openai.BadRequestError, match=r"structured_outputs\.json"):
         client.chat.completions.create(**ask, messages=messages, response_format=bad)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_tool_calls_named_required_and_auto(served):
+    """The real client's tool calling: a named function and "required" give calls whose
+    arguments follow the tool's schema (streamed: the same call in one delta); "auto" (the
+    Hermes parser on; SmolLM2's template does not render tools) gives the text; a
+    conversation carrying the call and the tool's answer goes through."""
+    url, _, _ = served
+    client = _client(url)
+    ask = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 48}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(
+        **ask, messages=messages, tools=[WEATHER], tool_choice=named
+    )
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and out.choices[0].finish_reason == "stop"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    streamed = list(
+        client.chat.completions.create(
+            **ask, messages=messages, tools=[WEATHER], tool_choice=named, stream=True
+        )
+    )
+    deltas = [c.choices[0].delta for c in streamed if c.choices]
+    (streamed_call,) = [t for d in deltas for t in d.tool_calls or []]
+    assert streamed_call.function.arguments == call.function.arguments
+
+    out = client.chat.completions.create(
+        **ask, messages=messages, tools=[WEATHER], tool_choice="required"
+    )
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert all(c.function.name == "get_weather" for c in out.choices[0].message.tool_calls)
+
+    out = client.chat.completions.create(**ask, messages=messages, tools=[WEATHER])
+    assert out.choices[0].message.content and out.choices[0].message.tool_calls is None
+
+    turns = [
+        *messages,
+        {"role": "assistant", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    out = client.chat.completions.create(**ask, messages=turns, tools=[WEATHER], tool_choice="none")
+    assert out.choices[0].message.content and out.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="no tool is named"):
+        client.chat.completions.create(
+            **ask,
+            messages=messages,
+            tools=[WEATHER],
+            tool_choice={**named, "function": {"name": "x"}},
+        )
 
 
 def test_full_queue_gets_429_and_leaving_clients_free_their_requests(served):

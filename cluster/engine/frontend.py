@@ -27,7 +27,7 @@ from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams, is_valid_unicode
 
 Prompt = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} (optionally "prompt")
-ChatMessages = list[dict[str, str]]
+ChatMessages = list[dict[str, Any]]
 
 
 @dataclass
@@ -70,18 +70,18 @@ class FrontEnd:
         return request
 
     def chat_prompt(
-        self, messages: ChatMessages, add_generation_prompt: bool = True
+        self,
+        messages: ChatMessages,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """The model's chat template applied to one conversation: token ids and text."""
+        """The model's chat template applied to one conversation (and the tools it may
+        call, for templates that render them): token ids and text."""
         template = self.tokenizer.apply_chat_template
+        options = {"add_generation_prompt": add_generation_prompt, "tools": tools}
         try:
-            ids = template(
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
-            )
-            text = template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            ids = template(messages, tokenize=True, return_dict=False, **options)
+            text = template(messages, tokenize=False, **options)
         except Exception as e:  # a template may refuse a conversation (e.g. its role order)
             raise ValueError(f"the chat template refused the messages: {e}") from e
         return {"prompt_token_ids": list(ids), "prompt": text}

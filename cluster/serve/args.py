@@ -71,6 +71,16 @@ class ServerArgs(_Frozen):
     # A single engine step running longer than this makes the health check fail.
     stall_timeout_s: float = Field(default=60.0, gt=0)
     health_timeout_s: float = Field(default=10.0, gt=0)
+    # Tool calling with tool_choice "auto" (vLLM's --enable-auto-tool-choice and
+    # --tool-call-parser): the parser that reads the model's calls out of its text.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Literal["hermes"] | None = None
+
+    @model_validator(mode="after")
+    def _auto_tools_need_a_parser(self) -> ServerArgs:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("server.enable_auto_tool_choice needs server.tool_call_parser")
+        return self
 
     def resolved_api_key(self) -> str | None:
         """The key (read where each replica runs); a named but unset variable is an error,

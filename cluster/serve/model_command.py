@@ -28,6 +28,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     add("--max-num-seqs", type=int, help="sequences batched at once")
     add("--speculative-config", type=json.loads, help="JSON, vLLM's keys (docs/speculative.md)")
     add("--api-key", help="Bearer key every route but /health and /metrics needs")
+    add(
+        "--enable-auto-tool-choice", action="store_true", help='tool_choice "auto" (needs a parser)'
+    )
+    add("--tool-call-parser", choices=["hermes"], help="reads tool calls out of the model's text")
     add("--num-replicas", type=int, default=1)
     add("--print-manifest", action="store_true", help="print the manifest and stop")
 
@@ -63,8 +67,13 @@ def manifest_config(model: str, flags: argparse.Namespace) -> dict[str, Any]:
         args["scheduler"] = {"max_num_seqs": flags.max_num_seqs}
     if flags.speculative_config:
         args["speculative"] = flags.speculative_config
-    if flags.api_key:
-        args["server"] = {"api_key": flags.api_key}
+    server = {
+        "api_key": flags.api_key,
+        "enable_auto_tool_choice": flags.enable_auto_tool_choice or None,
+        "tool_call_parser": flags.tool_call_parser,
+    }
+    if any(v is not None for v in server.values()):
+        args["server"] = {k: v for k, v in server.items() if v is not None}
     return {
         "http_options": {"host": flags.host or "127.0.0.1", "port": flags.port or DEFAULT_PORT},
         "applications": [

@@ -273,7 +273,22 @@ def make_server_class() -> type:
             except Exception as e:
                 return error_response(e)
             echo_only = isinstance(body, CompletionRequest) and body.echo_only
-            formatter = ResponseFormatter(self.model_id, chat, echo_only, body.n)
+            parser = self.args.server.tool_call_parser
+            tools = body.tool_calling() if isinstance(body, ChatCompletionRequest) else None
+            if (
+                tools is not None
+                and tools.mode == "auto"
+                and not (parser and self.args.server.enable_auto_tool_choice)
+            ):
+                return error_response(
+                    InvalidRequestError(
+                        "tool_choice: 'auto' (the default with tools) needs the server's "
+                        "server.enable_auto_tool_choice and server.tool_call_parser (cluster "
+                        "serve: --enable-auto-tool-choice --tool-call-parser hermes); or ask "
+                        "for 'none', 'required' or a named function"
+                    )
+                )
+            formatter = ResponseFormatter(self.model_id, chat, echo_only, body.n, tools, parser)
             if not body.stream:
                 try:  # one engine request per choice; the first failure cancels the rest
                     outputs = await _all_or_none([self.generate(r) for r in requests])
@@ -322,10 +337,12 @@ async def _events(
     lasts = list(firsts)
     try:
         for index, first in enumerate(firsts):
-            yield _sse(formatter.chunk(first, index))
+            if (chunk := formatter.chunk(first, index)) is not None:
+                yield _sse(chunk)
         async for index, out in _merged(streams):
             lasts[index] = out
-            yield _sse(formatter.chunk(out, index))
+            if (chunk := formatter.chunk(out, index)) is not None:
+                yield _sse(chunk)
         if include_usage:
             yield _sse(formatter.usage_chunk(lasts))
         yield _sse("[DONE]")

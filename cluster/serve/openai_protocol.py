@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cluster.sampling_params import MAX_CHOICES, SamplingParams
 from cluster.serve.protocol import ChatMessage
+from cluster.serve.tools import Tool, ToolCalling, ToolChoice
 from cluster.structured_outputs import StructuredOutputsParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -71,9 +72,6 @@ def _off(value: Any) -> bool:
 # Fields this server cannot honour: refused (400 naming the field) unless they hold the
 # value that asks for nothing.
 UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "tools": ("tool calling is not supported yet", _off),
-    "tool_choice": ("tool calling is not supported yet", _off),
-    "parallel_tool_calls": ("no effect without tools", lambda v: v in (None, False, True)),
     "functions": ("function calling is not supported", _off),
     "function_call": ("function calling is not supported", _off),
     "audio": ("audio output is not supported", _off),
@@ -184,10 +182,14 @@ class _OpenAIRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    def _tool_outputs(self) -> StructuredOutputsParams | None:
+        return None  # chat requests: the grammar of a named or required tool call
+
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         given = {
             name: value
             for name, value in (
+                ("tool_choice", self._tool_outputs()),
                 (
                     "response_format",
                     self.response_format and self.response_format.structured_outputs(),
@@ -263,6 +265,18 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Tool calling (`cluster.serve.tools`): the tools reach the chat template; the choice
+    # decides how the answer is shaped and read ("auto" by default when tools are given).
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_calling(self) -> ToolCalling | None:
+        """How the answer is read (None: plain text); raises ValueError naming the field."""
+        return ToolCalling.plan(self.tools, self.tool_choice, self.parallel_tool_calls)[0]
+
+    def _tool_outputs(self) -> StructuredOutputsParams | None:
+        return ToolCalling.plan(self.tools, self.tool_choice, self.parallel_tool_calls)[1]
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -275,7 +289,8 @@ class ChatCompletionRequest(_OpenAIRequest):
         return self._sampling(self.max_completion_tokens or self.max_tokens, logprobs=logprobs)
 
     def prompts(self) -> list[dict[str, Any]]:
-        return [{"messages": self.messages}]
+        tools = None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
+        return [{"messages": self.messages, "tools": tools}]
 
 
 class TokenizeRequest(BaseModel):

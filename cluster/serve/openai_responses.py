@@ -1,5 +1,10 @@
 """OpenAI response bodies and stream chunks (completions and chat) built from the
-`GenerateOutput`s of one request's choices."""
+`GenerateOutput`s of one request's choices.
+
+With tool calling (`cluster.serve.tools`), a chat answer's text is read into content and
+`tool_calls`; a streamed one then goes out whole in its final chunk (a call can only be
+parsed once its text is complete).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import uuid
 from typing import Any
 
 from cluster.serve.protocol import GenerateOutput, TokenLogprob
+from cluster.serve.tools import ToolCalling
 
 
 def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
@@ -30,9 +36,18 @@ class ResponseFormatter:
     each of its choices (`index`)."""
 
     def __init__(
-        self, model: str, chat: bool, echo_only: bool = False, choices_per_prompt: int = 1
+        self,
+        model: str,
+        chat: bool,
+        echo_only: bool = False,
+        choices_per_prompt: int = 1,
+        tools: ToolCalling | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.model = model
+        self.tools = tools
+        self.tool_call_parser = tool_call_parser
+        self._held: dict[int, list[GenerateOutput]] = {}  # streamed tool answers, so far
         self.choices_per_prompt = choices_per_prompt
         self.chat = chat
         # Completions with `echo` and `max_tokens: 0`: the prompt alone, no completion.
@@ -98,6 +113,11 @@ class ResponseFormatter:
         """The whole response: one choice per output, in order."""
         choices = []
         for index, out in enumerate(outs):
+            if self.tools is not None:
+                message, finish = self._tool_message(out)
+                choice = self._choice(out, index, {"message": message})
+                choices.append({**choice, "finish_reason": finish})
+                continue
             if self.chat:
                 body = {"message": {"role": "assistant", "content": out.text}}
             else:
@@ -106,8 +126,23 @@ class ResponseFormatter:
         envelope = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         return {**envelope, "usage": _usage(outs, self.choices_per_prompt)}
 
-    def chunk(self, out: GenerateOutput, index: int = 0) -> dict[str, Any]:
-        """A stream chunk carrying choice `index`'s new piece."""
+    def _tool_message(self, out: GenerateOutput) -> tuple[dict[str, Any], str | None]:
+        """(the assistant message with its tool calls, the finish reason): `tool_calls`
+        when the model called tools by choice (a forced named call stops, as OpenAI's)."""
+        assert self.tools is not None
+        content, calls = self.tools.parse(out.text, self.tool_call_parser)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        finish = out.finish_reason
+        if calls:
+            message["tool_calls"] = calls
+            if self.tools.mode != "named" and finish == "stop":
+                finish = "tool_calls"
+        return message, finish
+
+    def chunk(self, out: GenerateOutput, index: int = 0) -> dict[str, Any] | None:
+        """A stream chunk carrying choice `index`'s new piece (None: nothing to send yet)."""
+        if self.tools is not None:
+            return self._tool_chunk(out, index)
         if self.chat:
             delta: dict[str, Any] = {"content": out.text}
             if index not in self._sent_role:
@@ -118,6 +153,27 @@ class ResponseFormatter:
         return self._envelope(
             "text_completion", [self._choice(out, index, {"text": self._text(out)})]
         )
+
+    def _tool_chunk(self, out: GenerateOutput, index: int) -> dict[str, Any] | None:
+        """Held until the answer is complete, then one delta with all of it."""
+        held = self._held.setdefault(index, [])
+        held.append(out)
+        if out.finish_reason is None:
+            return None
+        del self._held[index]
+        logprobs = [t for o in held if o.logprobs for t in o.logprobs]
+        whole = out.model_copy(
+            update={
+                "text": "".join(o.text for o in held),
+                "token_ids": [t for o in held for t in o.token_ids],
+                "logprobs": logprobs if out.logprobs is not None else None,
+            }
+        )
+        message, finish = self._tool_message(whole)
+        if "tool_calls" in message:
+            message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+        choice = self._choice(whole, index, {"delta": message})
+        return self._envelope("chat.completion.chunk", [{**choice, "finish_reason": finish}])
 
     def usage_chunk(self, lasts: list[GenerateOutput]) -> dict[str, Any]:
         """The final chunk with usage (`stream_options.include_usage`), from each choice's

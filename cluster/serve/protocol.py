@@ -14,7 +14,8 @@ replica which of the two calls it is serving).
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -30,17 +31,48 @@ class TextPart(BaseModel):
     text: str
 
 
+class _CalledFunction(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(BaseModel):
+    """A tool call an earlier assistant turn made (sent back in the conversation)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: _CalledFunction
+
+
 class ChatMessage(BaseModel):
     """One chat turn, as OpenAI's API sends it: `content` a string or a list of text parts
     (joined with newlines, as vLLM does); `developer` (OpenAI's newer name for `system`)
     reaches the chat template as `system`; `name` is passed to the template, which may use
-    it. Any other key, or a part other than text, is an error naming it."""
+    it. An assistant turn may carry the `tool_calls` it made (and then no content), a
+    `tool` turn the `tool_call_id` it answers. Any other key, or a part other than text,
+    is an error naming it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message carries them")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only a tool message carries one")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (but for an assistant turn with tool_calls)")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -53,24 +85,46 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _unicode(cls, v: str | list[TextPart]) -> str | list[TextPart]:
-        texts = [v] if isinstance(v, str) else [p.text for p in v]
+    def _unicode(cls, v: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        texts = [v] if isinstance(v, str) else [p.text for p in v or ()]
         if not all(is_valid_unicode(t) for t in texts):
             raise ValueError("content is not valid Unicode (it holds a lone surrogate)")
         return v
 
     @property
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "\n".join(p.text for p in self.content)
 
-    def template_dict(self) -> dict[str, str]:
-        """What the chat template receives for this turn."""
-        turn = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+    def template_dict(self) -> dict[str, Any]:
+        """What the chat template receives for this turn (tool call arguments as the
+        objects templates render, when they are JSON)."""
+        turn: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text,
+        }
         if self.name is not None:
             turn["name"] = self.name
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            turn["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _json_or_text(call)},
+                }
+                for call in self.tool_calls
+            ]
         return turn
+
+
+def _json_or_text(call: AssistantToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
 
 
 class GenerateRequest(BaseModel):
@@ -81,6 +135,8 @@ class GenerateRequest(BaseModel):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
+    # With `messages`: tool definitions (OpenAI's form) handed to the chat template.
+    tools: list[dict[str, Any]] | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     stream: bool = False
     request_id: str | None = None

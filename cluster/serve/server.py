@@ -195,7 +195,8 @@ class LLMServer:
             return request.prompt
         if request.prompt_token_ids is not None:
             return {"prompt_token_ids": request.prompt_token_ids}
-        return self.engine.frontend.chat_prompt([m.template_dict() for m in request.messages or []])
+        turns = [m.template_dict() for m in request.messages or []]
+        return self.engine.frontend.chat_prompt(turns, tools=request.tools)
 
     def _record(
         self, outcome: str, last: GenerateOutput | None, start: float, first: float | None
