@@ -144,13 +144,16 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation (with the `tools` it may
-        call, in OpenAI's form, for templates that render them), then generate."""
+        call, in OpenAI's form, for templates that render them, and any extra template
+        variables), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         frontend = self.engine.frontend
         prompts = [
-            frontend.chat_prompt(conv, add_generation_prompt, tools) for conv in conversations
+            frontend.chat_prompt(conv, add_generation_prompt, tools, chat_template_kwargs)
+            for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -15,6 +15,7 @@ from greedy_reference import CHAT_QUESTIONS, chat_ids
 from random_heads import write_deepseek_mtp
 
 from cluster import LLM, SamplingParams
+from cluster.kernels.cpu_isa import cpu_has_amx
 
 QUESTIONS = [
     *CHAT_QUESTIONS,
@@ -50,7 +51,7 @@ def baseline(smollm2_path):
 def test_a_request_alone_equals_itself_in_a_batch_of_16(smollm2_path, baseline):
     prompts, batched = baseline
     with LLM(smollm2_path, **ENGINE) as llm:
-        for i in range(0, len(prompts), 3):  # every third, each alone
+        for i in range(0, len(prompts), 2):  # every other one, each alone
             alone = llm.generate([prompts[i]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
             assert alone == batched[i], QUESTIONS[i]
 
@@ -110,6 +111,9 @@ def test_greedy_speculation_equals_greedy_decoding_in_bfloat16(
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    cpu_has_amx(), reason="AMX CPUs run batch-invariant engines eagerly (cluster.kernels.cpu_isa)"
+)
 def test_the_compiled_engine_is_batch_invariant_too(smollm2_path, baseline):
     """One graph for every step (a symbolic token count), speculating with n-gram drafts:
     a request alone (decode and verification steps of its own) equals itself in a batch

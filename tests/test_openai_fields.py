@@ -28,7 +28,6 @@ ASKING = {
     "verbosity": "low",
     "store": True,
     "suffix": "end",
-    "chat_template_kwargs": {"enable_thinking": True},
     "moderation": {"model": "x"},
 }
 

@@ -1,16 +1,25 @@
 """Prepacked bfloat16 linear layers (`cluster.kernels.packed_linear`) against `F.linear`.
 
-Packing must change speed only: every row of a packed product equals the plain product's
-row bit for bit, at every row count (batch invariance rests on it), for the shapes of the
+Packing must change speed only: every row of a packed product equals the row of a plain
+two-row product bit for bit, at every row count (batch invariance rests on it; on AMX
+CPUs through row blocks), for the shapes of the
 default model's layers; layers pack once and keep their outputs; training (autograd) and
 other dtypes take the reference path.
 """
+
+import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.kernels.packed_linear import can_pack, cpu_can_pack_bf16, linear, pack_weight
+from cluster.kernels.packed_linear import (
+    can_pack,
+    cpu_can_pack_bf16,
+    linear,
+    pack_weight,
+    row_blocks,
+)
 from cluster.parallel import ParallelState
 from cluster.parallel.embedding import ParallelLMHead
 from cluster.parallel.linear import MergedColumnParallelLinear, RowParallelLinear, pack_linears
@@ -31,15 +40,22 @@ def test_packed_rows_equal_plain_rows_at_every_row_count(shape):
     weight = torch.randn(*shape, generator=gen).bfloat16()
     bias = torch.randn(shape[0], generator=gen).bfloat16()
     packed = pack_weight(weight)
-    x = torch.randn(max(ROW_COUNTS), shape[1], generator=gen).bfloat16()
-    # each row's reference: computed in a 2-row product (no matrix-vector special case)
-    want = torch.cat([F.linear(x[i : i + 2], weight, bias)[:1] for i in range(64)])
+    rows_max = max(ROW_COUNTS)
+    x = torch.randn(rows_max + 1, shape[1], generator=gen).bfloat16()
+    # each row's reference: computed in a plain 2-row product (no matrix-vector case)
+    want = torch.cat([F.linear(x[i : i + 2], weight, bias)[:1] for i in range(rows_max)])
     for rows in ROW_COUNTS:
         got = linear(x[:rows], weight, bias, packed)
-        n = min(rows, 64)
-        assert torch.equal(got[:n], want[:n]), f"{rows} rows"
-        if rows >= 2:
-            assert torch.equal(got, F.linear(x[:rows], weight, bias)), f"{rows} rows vs plain"
+        assert torch.equal(got, want[:rows]), f"{rows} rows"
+
+
+def test_row_blocks_cover_the_rows_without_a_lone_row():
+    for rows in [1, 2, 31, 32, 33, 64, 65, 97, 200]:
+        blocks = row_blocks(rows, 32)
+        assert blocks[0][0] == 0 and blocks[-1][1] == rows
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(blocks))
+        assert all(1 <= end - start <= 32 for start, end in blocks)
+        assert rows == 1 or all(end - start >= 2 for start, end in blocks)
 
 
 @needs_bf16_onednn

@@ -585,8 +585,8 @@ def test_cli_generate_and_chat_against_the_server(served, capsys, monkeypatch):
 
 def test_vllm_routes_content_parts_prompt_lists_and_refused_fields(served, smollm2_path):
     """vLLM's extra routes; chat content as text parts, the developer role and names; a
-    list of prompts; fields that ask for what this server cannot do get a 400 naming them,
-    unknown fields too, while no-effect ones (user) are accepted."""
+    list of prompts; chat_template_kwargs; fields that ask for what this server cannot do
+    get a 400 naming them, unknown fields too, while no-effect ones (user) are accepted."""
     url, _, reference = served
     client = _client(url)
     model = "SmolLM2-135M-Instruct"
@@ -637,10 +637,13 @@ def test_vllm_routes_content_parts_prompt_lists_and_refused_fields(served, smoll
         tokenizer.encode(QUESTION)
     )
 
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}  # SmolLM2's ignores it
+    out = client.chat.completions.create(**greedy, messages=chat["messages"], extra_body=kwargs)
+    assert out.choices[0].message.content == reference["chat"].outputs[0].text
     for field, extra in [
-        ("response_format", {"response_format": {"type": "json_object"}}),
-        ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
-        ("tool_choice", {"tool_choice": "required"}),
+        ("functions", {"functions": [{"name": "f", "parameters": {}}]}),
+        ("prediction", {"prediction": {"type": "content", "content": "x"}}),
+        ("chat_template_kwargs", {"extra_body": {"chat_template_kwargs": {"messages": []}}}),
         ("not_a_field", {"extra_body": {"not_a_field": 1}}),
     ]:
         with pytest.raises(openai.BadRequestError, match=field):

@@ -1,7 +1,7 @@
 """Guided decoding (`structured_outputs`): the bitmask kernel against xgrammar's, the
 engine's grammar state (forbidden drafts cut, one mask per draft position), and the real
 default model's outputs: every one follows its grammar, and greedy outputs are the same
-with speculation off, with n-gram drafts and with an EAGLE-3 head."""
+with speculation off, with n-gram chains and with an EAGLE-3 head's draft trees."""
 
 import json
 import re
@@ -150,7 +150,10 @@ def test_guided_outputs_follow_their_grammar_with_and_without_speculation(
     for name, spec in [
         ("off", None),
         ("ngram", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
-        ("eagle3", {"model": head, "num_speculative_tokens": 3}),
+        (
+            "eagle3",
+            {"model": head, "num_speculative_tokens": 3, "tree": {"num_nodes": 6, "topk": 2}},
+        ),
     ]:
         with LLM(smollm2_path, speculative_config=spec, **ENGINE) as llm:
             greedy[name] = _generate(llm, prompts, temperature=0)

@@ -131,13 +131,14 @@ def test_tool_turns_in_the_conversation():
             ChatCompletionRequest(model="m", messages=[bad])
 
 
-def test_tools_reach_a_template_that_renders_them(smollm2_path):
+def test_tools_and_template_kwargs_reach_a_template_that_renders_them(smollm2_path):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     tokenizer.chat_template = (  # a Hermes-style template: tools listed in the system turn
         "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t['function']['name'] }};"
         "{% endfor %}</tools><|im_end|>\n{% endif %}"
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        "{% if enable_thinking %}<think>{% endif %}"
     )
     frontend = FrontEnd(tokenizer, ModelConfig(path=smollm2_path))
     messages = [{"role": "user", "content": "Weather in Paris?"}]
@@ -145,6 +146,11 @@ def test_tools_reach_a_template_that_renders_them(smollm2_path):
     assert "<tools>get_weather;get_time;</tools>" in with_tools["prompt"]
     assert with_tools["prompt_token_ids"] == tokenizer.encode(with_tools["prompt"])
     assert "<tools>" not in frontend.chat_prompt(messages)["prompt"]
+    thinking = frontend.chat_prompt(messages, chat_template_kwargs={"enable_thinking": True})
+    assert thinking["prompt"].endswith("assistant\n<think>")
+    assert "<think>" not in frontend.chat_prompt(messages)["prompt"]
+    with pytest.raises(ValueError, match=r"chat_template_kwargs.*tools"):
+        frontend.chat_prompt(messages, chat_template_kwargs={"tools": []})
 
 
 def _output(text, finish="stop", **fields):

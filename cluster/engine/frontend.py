@@ -74,11 +74,17 @@ class FrontEnd:
         messages: ChatMessages,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The model's chat template applied to one conversation (and the tools it may
-        call, for templates that render them): token ids and text."""
+        call, for templates that render them): token ids and text. `chat_template_kwargs`
+        are extra variables for the template (e.g. `enable_thinking`), as vLLM's."""
         template = self.tokenizer.apply_chat_template
         options = {"add_generation_prompt": add_generation_prompt, "tools": tools}
+        taken = sorted(set(chat_template_kwargs or {}) & {*options, "messages", "tokenize"})
+        if taken:
+            raise ValueError(f"chat_template_kwargs: {taken} are set by the request itself")
+        options.update(chat_template_kwargs or {})
         try:
             ids = template(messages, tokenize=True, return_dict=False, **options)
             text = template(messages, tokenize=False, **options)

@@ -84,7 +84,7 @@ def _attend_group(
 ) -> torch.Tensor:
     """[n, max_q, heads, head_dim]: the group's queries over their padded contexts.
 
-    Two batched products and a float32 softmax, the query heads that share a KV head
+    Two batched products and a softmax (`_weighted_values_cpu` on CPU), the query heads that share a KV head
     stacked as rows of one product (no KV head is repeated). On a CPU this is several
     times faster than SDPA's flash kernel for a few queries per sequence (that kernel
     spends ~8 ms per layer on 16 one-token sequences over 128 keys, here ~0.6 ms), and
@@ -101,11 +101,30 @@ def _attend_group(
     keys = keys.view(n, max_len, kv_heads, head_dim).permute(0, 2, 3, 1)  # [n, kvh, d, len]
     scores = torch.matmul(q, keys)  # [n, kv_heads, max_q * G, max_len]
     scores = group.score_bias(group_size).add(scores, alpha=scale)  # float32, masked: -inf
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
     values = values.view(n, max_len, kv_heads, head_dim).transpose(1, 2)  # [n, kvh, len, d]
-    out = torch.matmul(probs, values)  # [n, kv_heads, max_q * G, head_dim]
+    if values.device.type == "cpu":
+        out = _weighted_values_cpu(scores, values)
+    else:
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
     out = out.view(n, kv_heads, max_q, group_size, head_dim).permute(0, 2, 1, 3, 4)
     return out.reshape(n, max_q, heads, head_dim)
+
+
+def _weighted_values_cpu(
+    scores: torch.Tensor,  # [n, kv_heads, rows, len] float32, masked keys -inf
+    values: torch.Tensor,  # [n, kv_heads, len, head_dim]
+) -> torch.Tensor:
+    """[n, kv_heads, rows, head_dim]: softmax(scores) @ values, rounded alike wherever a
+    row's visible keys sit among masked ones. A draft tree's node sees its ancestors with
+    masked siblings between them, where a chain's token sees the same keys side by side,
+    and the padded length changes with the batch; a vectorised float32 sum (the softmax's)
+    or a bfloat16 product groups the terms by position and rounds differently (AMX does,
+    `cluster.kernels.cpu_isa`). The softmax sums in float64 and the weighted sum runs in
+    float32, where the masked terms add exact zeros in key order."""
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float64).float()
+    if values.dtype == torch.float32:
+        return torch.matmul(probs, values)
+    return torch.matmul(probs, values.float()).to(values.dtype)
 
 
 def causal_attention(

@@ -82,7 +82,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "verbosity": ("not supported", _off),
     "store": ("responses are not stored", _off),
     "suffix": ("insertion (a suffix) is not supported", _off),
-    "chat_template_kwargs": ("not supported yet", _off),
     "moderation": ("no moderation here", _off),
 }
 
@@ -270,6 +269,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def tool_calling(self) -> ToolCalling | None:
         """How the answer is read (None: plain text); raises ValueError naming the field."""
@@ -290,7 +290,8 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     def prompts(self) -> list[dict[str, Any]]:
         tools = None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
-        return [{"messages": self.messages, "tools": tools}]
+        template = self.chat_template_kwargs
+        return [{"messages": self.messages, "tools": tools, "chat_template_kwargs": template}]
 
 
 class TokenizeRequest(BaseModel):
@@ -302,6 +303,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

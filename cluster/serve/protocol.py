@@ -137,6 +137,8 @@ class GenerateRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     # With `messages`: tool definitions (OpenAI's form) handed to the chat template.
     tools: list[dict[str, Any]] | None = None
+    # With `messages`: extra variables for the chat template (e.g. `enable_thinking`).
+    chat_template_kwargs: dict[str, Any] | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     stream: bool = False
     request_id: str | None = None

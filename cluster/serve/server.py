@@ -196,7 +196,9 @@ class LLMServer:
         if request.prompt_token_ids is not None:
             return {"prompt_token_ids": request.prompt_token_ids}
         turns = [m.template_dict() for m in request.messages or []]
-        return self.engine.frontend.chat_prompt(turns, tools=request.tools)
+        return self.engine.frontend.chat_prompt(
+            turns, tools=request.tools, chat_template_kwargs=request.chat_template_kwargs
+        )
 
     def _record(
         self, outcome: str, last: GenerateOutput | None, start: float, first: float | None

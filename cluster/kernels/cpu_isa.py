@@ -1,0 +1,24 @@
+"""Which matrix units oneDNN uses on this CPU, for the choices batch invariance depends on.
+
+On AMX CPUs (Intel Sapphire Rapids and later) oneDNN's bfloat16 products round a row
+differently depending on the shape around it: a linear layer's rows once a product has
+more than 32 rows (`cluster.kernels.packed_linear` then runs blocks of 32 rows), and
+an attention row's weighted sum of values with the zero-padded context length (the CPU
+attention sums in float32 everywhere: `cluster.kernels.paged_attention`). Inductor's
+products have the first problem too, so a batch-invariant engine runs eagerly there
+(`cluster.worker.worker`). With AVX-512 BF16 alone (AMD Zen 4) none of this happens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX bfloat16 tiles (which oneDNN then uses)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any("amx_bf16" in line.split() for line in f if line.startswith("flags"))
+    except OSError:
+        return False
