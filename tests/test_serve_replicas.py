@@ -108,7 +108,9 @@ def test_both_replicas_serve_and_backpressure_is_a_503(app):
             await client.completions.create(**LONG, stream=True)
         assert e.value.status_code == 503  # a real status, not a 200 with a broken stream
         assert "backpressure" in json.dumps(e.value.body)  # Serve says why
-        assert not any(q.done() for q in queued)
+        # the queued ones were not refused (one may be served by now: a tiny model's long
+        # stream can finish while the others wait)
+        assert not any(q.done() and q.exception() is not None for q in queued)
         for q in queued:
             q.cancel()
         await a.close()
