@@ -1,7 +1,8 @@
 """What batch invariance costs: the engine with `batch_invariant=True` (one compiled graph
-for every token count, no one-row products) against `False` (one graph per token-count
-bucket, autotuned), same weights and dtype, tokens/s at batch 1 and for many requests,
-interleaved (on, off, off, on, ...) and reported as medians.
+for every token count, no one-row products; on AMX CPUs products in row blocks,
+`cluster/kernels/cpu_isa.py`) against `False` (one graph per token-count bucket,
+autotuned), same weights and dtype, tokens/s at batch 1 and for many requests,
+interleaved (A, B, B, A, ...) and reported as medians.
 
     python benchmarks/batch_invariance.py [--dtype auto] [--num-requests 64] [--repeats 3]
 """
@@ -19,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from throughput import chat_prompts, interleaved, ours_generate
 
 from cluster import LLM
+from cluster.kernels.cpu_isa import cpu_has_amx
 
 
 def main() -> None:
@@ -33,13 +35,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
+    variants = {"invariant": (True, "on"), "per-bucket": (False, "on")}
     engines, start_s = {}, {}
-    for name, invariant in (("invariant", True), ("per-bucket", False)):
+    for name, (invariant, compile_mode) in variants.items():
         start = time.perf_counter()
         engines[name] = LLM(
             args.model,
             dtype=args.dtype,
-            compile="on",
+            compile=compile_mode,
             batch_invariant=invariant,
             max_model_len=512,
             max_num_seqs=args.num_requests,
@@ -66,17 +69,31 @@ def main() -> None:
             args.repeats,
         )
         total = len(prompts) * new
-        rows.append((label, total / seconds["invariant"], total / seconds["per-bucket"]))
+        rows.append((label, {name: total / s for name, s in seconds.items()}))
 
+    starts = ", ".join(f"{name} {s:.0f} s" for name, s in start_s.items())
     print(
         f"model={llm.config.model.path} dtype={llm.config.model.torch_dtype} "
-        f"threads={torch.get_num_threads()} start-up: invariant {start_s['invariant']:.0f} s, "
-        f"per-bucket {start_s['per-bucket']:.0f} s\n"
+        f"threads={torch.get_num_threads()} amx={cpu_has_amx()} start-up: {starts}\n"
     )
-    print("| workload | invariant (tok/s) | per-bucket (tok/s) | invariant / per-bucket |")
-    print("|---|---:|---:|---:|")
-    for label, invariant, bucketed in rows:
-        print(f"| {label} | {invariant:.1f} | {bucketed:.1f} | {invariant / bucketed:.2f} |")
+    names = list(engines)
+    print(
+        "| workload | "
+        + " | ".join(f"{n} (tok/s)" for n in names)
+        + " | "
+        + " | ".join(f"{n} / per-bucket" for n in names if n != "per-bucket")
+        + " |"
+    )
+    print("|---|" + "---:|" * (2 * len(names) - 1))
+    for label, rates in rows:
+        ratios = [f"{rates[n] / rates['per-bucket']:.2f}" for n in names if n != "per-bucket"]
+        print(
+            f"| {label} | "
+            + " | ".join(f"{rates[n]:.1f}" for n in names)
+            + " | "
+            + " | ".join(ratios)
+            + " |"
+        )
     for engine in engines.values():
         engine.shutdown()
 

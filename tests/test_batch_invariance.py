@@ -15,7 +15,6 @@ from greedy_reference import CHAT_QUESTIONS, chat_ids
 from random_heads import write_deepseek_mtp
 
 from cluster import LLM, SamplingParams
-from cluster.kernels.cpu_isa import cpu_has_amx
 
 QUESTIONS = [
     *CHAT_QUESTIONS,
@@ -111,9 +110,6 @@ def test_greedy_speculation_equals_greedy_decoding_in_bfloat16(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    cpu_has_amx(), reason="AMX CPUs run batch-invariant engines eagerly (cluster.kernels.cpu_isa)"
-)
 def test_the_compiled_engine_is_batch_invariant_too(smollm2_path, baseline):
     """One graph for every step (a symbolic token count), speculating with n-gram drafts:
     a request alone (decode and verification steps of its own) equals itself in a batch

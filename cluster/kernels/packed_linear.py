@@ -19,7 +19,8 @@ one block; a long prefill pays a few more calls.
 `linear_ref` (plain `F.linear`) is the reference and the path everywhere else: CUDA,
 float32, float16, CPUs without oneDNN's bfloat16 support, inputs that are not 2-D,
 autograd (training never packs), and compiled graphs (inductor, freezing the weights,
-packs them the same way itself: `cluster.models.compiled`).
+packs them the same way itself: `cluster.models.compiled`) except on AMX CPUs, where a
+graph calls the row-blocked product as the opaque op `cluster::packed_linear`.
 """
 
 from __future__ import annotations
@@ -84,14 +85,24 @@ def linear(
     bias: torch.Tensor | None = None,  # [out]
     packed: torch.Tensor | None = None,  # pack_weight(weight), or None
 ) -> torch.Tensor:
-    """[rows, out]: `x @ weight.T + bias`, through the packed weight when there is one."""
-    if (
-        packed is None
-        or x.dim() != 2
-        or torch.compiler.is_compiling()  # inductor packs frozen weights itself
-        or (torch.is_grad_enabled() and x.requires_grad)
-    ):
+    """[rows, out]: `x @ weight.T + bias`, through the packed weight when there is one.
+    In a compiled graph inductor packs frozen weights itself, except on AMX CPUs, where
+    the graph calls `cluster::packed_linear` (an opaque op) for its row blocks."""
+    if packed is None or x.dim() != 2 or (torch.is_grad_enabled() and x.requires_grad):
         return linear_ref(x, weight, bias)
+    if torch.compiler.is_compiling():
+        if not cpu_has_amx():
+            return linear_ref(x, weight, bias)
+        return torch.ops.cluster.packed_linear(x, packed, bias, weight.shape[0])
+    return packed_product(x, packed, bias)
+
+
+def packed_product(
+    x: torch.Tensor,  # [rows, in]
+    packed: torch.Tensor,  # pack_weight(weight)
+    bias: torch.Tensor | None,  # [out]
+) -> torch.Tensor:
+    """[rows, out] through the packed weight, in row blocks on AMX CPUs."""
     x = x.contiguous()
     if x.shape[0] <= AMX_ROW_BLOCK or not cpu_has_amx():
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -101,3 +112,18 @@ def linear(
             for start, end in row_blocks(x.shape[0], AMX_ROW_BLOCK)
         ]
     )
+
+
+@torch.library.custom_op("cluster::packed_linear", mutates_args=())
+def _packed_linear_op(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """`packed_product` as one opaque op of a compiled graph."""
+    return packed_product(x, packed, bias)
+
+
+@_packed_linear_op.register_fake
+def _(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)

@@ -15,7 +15,6 @@ from torch import nn
 
 from cluster.config import EngineConfig
 from cluster.engine.messages import SchedulerOutput
-from cluster.kernels.cpu_isa import cpu_has_amx
 from cluster.models.attention import AttentionLayer
 from cluster.models.compiled import CompileOptions
 from cluster.models.default_model import cache_dir
@@ -181,17 +180,11 @@ class Worker:
         """The compile settings of this engine, or None when it runs eagerly. Compiled
         artefacts are cached on disk under the cluster cache folder unless inductor's own
         `TORCHINDUCTOR_CACHE_DIR` says otherwise. A batch-invariant engine on CPU compiles
-        one graph for every token count, with one GEMM kernel family (no autotuning);
-        on an AMX CPU it runs eagerly unless compile is "on" (inductor's AMX products round
-        a row differently with the row count, `cluster.kernels.cpu_isa`)."""
+        one graph for every token count, with one GEMM kernel family (no autotuning; on
+        AMX CPUs the products are our own opaque op: `cluster.kernels.packed_linear`)."""
         if not self.config.compiles:
             return None
         invariant_cpu = self.config.model.batch_invariant and self.state.device.type == "cpu"
-        if invariant_cpu and cpu_has_amx():
-            if self.config.compile.mode != "on":
-                logger.info("AMX CPU: the batch-invariant engine runs eagerly (compile 'auto')")
-                return None
-            logger.warning("AMX CPU: compiled products are not batch invariant (compile 'on')")
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), "inductor"))
         compile = self.config.compile
         if invariant_cpu:
