@@ -305,7 +305,7 @@ def test_decode_split_into_length_groups_equals_one_padded_group(block_size, mon
     lengths = [(3, 1), (90, 1), (40, 3), (11, 1), (200, 2), (6, 4)]  # (cached, new)
     batch = make_batch(gen, [*lengths, *SEQUENCES], 4, 2, 16, block_size)
     q_lens = [b - a for a, b in pairwise(batch["query_start_loc"])]
-    bits = torch.full((len(batch["q"]),), -1, dtype=torch.int64)
+    bits = torch.full((len(batch["q"]),), -1, dtype=torch.int64, device=batch["q"].device)
     first = batch["query_start_loc"][q_lens.index(4)]  # a 4-token tree: root, two children
     bits[first : first + 4] = torch.tensor([0b0001, 0b0011, 0b0101, 0b0111])
     one_group = [paged_attention_ref(**batch), paged_attention_ref(**batch, tree_bits=bits)]
