@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Literal
+from typing import Final, Literal
 
 import torch
 
 Backend = Literal["auto", "torch", "triton"]
 BACKENDS = ("auto", "torch", "triton")
+# Read once, at import: inside a compiled graph `use_triton` then reads a constant (dynamo
+# does not trace importlib, and a graph that asked would fall back to eager).
+_HAS_TRITON: Final[bool] = importlib.util.find_spec("triton") is not None
 
 
 def use_triton(backend: str, device: torch.device) -> bool:
@@ -32,7 +35,7 @@ def use_triton(backend: str, device: torch.device) -> bool:
         )
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"the Triton kernels run on CUDA or CPU, not {device.type}")
-    if importlib.util.find_spec("triton") is None:
+    if not _HAS_TRITON:
         if backend == "auto":  # no Triton on this platform: the torch references
             return False
         raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
