@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cluster.kernels.cpu_isa import cpu_has_amx
 from cluster.kernels.packed_linear import (
     can_pack,
     cpu_can_pack_bf16,
@@ -89,3 +90,18 @@ def test_the_reference_path_serves_everything_else():
     state = ParallelState.single()
     layer = RowParallelLinear(4, 8, state, False, dtype=torch.float32)
     assert pack_linears(layer) == 0 and layer.packed_weight is None
+
+
+@needs_bf16_onednn
+@pytest.mark.skipif(not cpu_has_amx(), reason="the opaque op serves AMX CPUs only")
+def test_a_compiled_graph_runs_the_row_blocks_as_one_opaque_op():
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(576, 576, generator=gen).bfloat16()
+    packed = pack_weight(weight)
+    step = lambda x: F.silu(linear(x, weight, None, packed))  # noqa: E731
+    graph = torch.compile(step, dynamic=True, fullgraph=True)  # a graph break fails
+    x = torch.randn(100, 576, generator=gen).bfloat16()
+    want = F.silu(torch.cat([F.linear(x[i : i + 2], weight)[:1] for i in range(100)]))
+    with torch.no_grad():
+        for rows in (2, 33, 100):
+            assert torch.equal(graph(x[:rows]), want[:rows]), f"{rows} rows"
