@@ -84,8 +84,8 @@ def _attend_group(
 ) -> torch.Tensor:
     """[n, max_q, heads, head_dim]: the group's queries over their padded contexts.
 
-    Two batched products and a softmax (`_weighted_values_cpu` on CPU), the query heads that share a KV head
-    stacked as rows of one product (no KV head is repeated). On a CPU this is several
+    Two batched products and a softmax (`_weighted_values_cpu` on CPU), the query heads
+    that share a KV head stacked as rows of one product (no KV head is repeated). On a CPU this is several
     times faster than SDPA's flash kernel for a few queries per sequence (that kernel
     spends ~8 ms per layer on 16 one-token sequences over 128 keys, here ~0.6 ms), and
     each row's result is independent of the group's size and padded length."""

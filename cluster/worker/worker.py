@@ -184,10 +184,9 @@ class Worker:
         AMX CPUs the products are our own opaque op: `cluster.kernels.packed_linear`)."""
         if not self.config.compiles:
             return None
-        invariant_cpu = self.config.model.batch_invariant and self.state.device.type == "cpu"
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), "inductor"))
         compile = self.config.compile
-        if invariant_cpu:
+        if self.config.model.batch_invariant and self.state.device.type == "cpu":
             return CompileOptions(compile.sizes, autotune=False, dynamic=True)
         return CompileOptions(compile.sizes, compile.autotune)
 
