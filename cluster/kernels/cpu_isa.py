@@ -6,7 +6,9 @@ more than 32 rows (`cluster.kernels.packed_linear` then runs blocks of 32 rows),
 an attention row's weighted sum of values with the zero-padded context length (the CPU
 attention sums in float32 everywhere: `cluster.kernels.paged_attention`). Inductor's
 products have the first problem too, so compiled graphs there call the packed products
-as an opaque op (`cluster::packed_linear`) instead of inductor's. With AVX-512 BF16 alone (AMD Zen 4) none of this happens.
+as an opaque op (`cluster::packed_linear`) instead of inductor's. With AVX-512 BF16
+alone (AMD Zen 4) none of this happens. (`cluster.config.dtypes` reads the CPU flags
+for its own question; kernels import nothing of ours, hence this small reader.)
 """
 
 from __future__ import annotations

@@ -36,7 +36,6 @@ from cluster.serve.errors import (
     error_body,
 )
 from cluster.serve.openai_http import (
-    PROMETHEUS_TEXT,
     error_response,
     make_openai_app,
     validation_message,
@@ -50,6 +49,8 @@ from cluster.serve.openai_protocol import (
 from cluster.serve.openai_responses import ResponseFormatter
 from cluster.serve.protocol import GenerateOutput, GenerateRequest
 from cluster.serve.server import LLMServer
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
@@ -163,7 +164,9 @@ def make_server_class() -> type:
                 if body.messages is not None:
                     turns = [m.template_dict() for m in body.messages]
                     chat = self.engine.frontend.chat_prompt(
-                        turns, body.add_generation_prompt, None, body.chat_template_kwargs
+                        turns,
+                        body.add_generation_prompt,
+                        chat_template_kwargs=body.chat_template_kwargs,
                     )
                     ids = chat["prompt_token_ids"]
                 else:

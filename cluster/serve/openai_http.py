@@ -30,7 +30,6 @@ def validation_message(e: RequestValidationError | ValidationError) -> str:
 
 # Paths (below the route prefix) that answer without the API key.
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # as vLLM: scrapers send no key
-PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class BearerAuth:
