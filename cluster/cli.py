@@ -157,6 +157,14 @@ def main(argv: list[str] | None = None) -> None:
     download.add_argument("--revision", help="branch, tag or commit")
     download.set_defaults(func=_download)
 
+    plan = sub.add_parser(
+        "plan", help="will a model and layout fit? (reads config.json only, loads no weight)"
+    )
+    from cluster.plan_cli import add_plan_arguments, run_plan
+
+    add_plan_arguments(plan)
+    plan.set_defaults(func=run_plan)
+
     generate = sub.add_parser("generate", help="complete prompts (offline or from a server)")
     generate.add_argument("prompts", nargs="+", help="one or more prompts")
     _add_source_args(generate)

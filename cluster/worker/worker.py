@@ -24,6 +24,7 @@ from cluster.parallel import ParallelState, destroy_parallel_state, init_paralle
 from cluster.parallel.linear import pack_linears
 from cluster.spec_decode.hybrid import HybridProposer
 from cluster.worker.kv_cache import LayerShape, PagedKVCache
+from cluster.worker.memory_check import check_layout_fits
 from cluster.worker.model_runner import ModelRunner
 from cluster.worker.state_cache import RecurrentStateCache
 
@@ -62,6 +63,7 @@ class Worker:
             pp_layer_partition=parallel.pipeline_layer_partition,
         )
         torch.manual_seed(config.seed)
+        check_layout_fits(config, self.state)  # before a byte is loaded
         self.model = load_model(config.model, self.state)
         spec = config.speculative
         # The draft, the sampler and the rejection sampler live on the last pipeline stage.
