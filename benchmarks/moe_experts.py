@@ -1,6 +1,8 @@
-"""The two expert computations of `cluster.models.moe`, eager and compiled, at decode
-token counts: milliseconds per call (median of interleaved rounds) and the ratio to the
-eager per-expert loop (the reference, which is what runs eagerly).
+"""The routed experts of one MoE layer: the per-expert loop (`experts_by_expert`, the
+reference in transformers' order) against the fused path (`cluster.kernels.fused_moe`:
+pairs sorted by expert; on CPU one matmul per expert over contiguous rows, on CUDA the
+Triton grouped GEMMs). Milliseconds per call, medians of interleaved rounds, and the
+loop's time over the fused path's.
 
     python benchmarks/moe_experts.py [--experts 64 --top-k 8 --hidden 1024 --inter 384]
 """
@@ -13,13 +15,17 @@ import time
 
 import torch
 
-from cluster.models.moe import experts_by_expert, experts_by_token
+from cluster.kernels.fused_moe import fused_moe
+from cluster.models.moe import experts_by_expert
 
 
 def _time(fn, args, calls: int) -> float:
+    sync = torch.cuda.synchronize if args[0].is_cuda else (lambda: None)
+    sync()
     start = time.perf_counter()
     for _ in range(calls):
         fn(*args)
+    sync()
     return (time.perf_counter() - start) / calls * 1e3
 
 
@@ -29,39 +35,41 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--inter", type=int, default=384)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
     torch.manual_seed(0)
-    e, h, inter = args.experts, args.hidden, args.inter
-    w13 = torch.randn(e, 2 * inter, h) / h**0.5
-    w2 = torch.randn(e, h, inter) / inter**0.5
-    compiled = torch.compile(experts_by_token, fullgraph=True, dynamic=False)
-    paths = {
-        "by_expert (eager)": experts_by_expert,
-        "by_token (eager)": experts_by_token,
-        "by_token (compiled)": compiled,
-    }
-    print(f"experts={e} top_k={args.top_k} hidden={h} inter={inter} float32, ms per call\n")
-    print("| tokens | " + " | ".join(paths) + " | compiled by_token / eager by_expert |")
-    print("|---" * (len(paths) + 2) + "|")
-    with torch.no_grad():
-        for n in args.tokens:
-            x = torch.randn(n, h)
-            ids = torch.stack([torch.randperm(e)[: args.top_k] for _ in range(n)])
-            weights = torch.rand(n, args.top_k)
-            call = (x, w13, w2, ids, weights)
-            compiled(*call)  # compile this shape before timing
-            times: dict[str, list[float]] = {name: [] for name in paths}
-            for r in range(args.rounds):  # interleaved, alternating the order
-                order = list(paths) if r % 2 == 0 else list(reversed(paths))
-                for name in order:
-                    times[name].append(_time(paths[name], call, args.calls))
-            med = {name: statistics.median(t) for name, t in times.items()}
-            ratio = med["by_token (compiled)"] / med["by_expert (eager)"]
-            cells = " | ".join(f"{med[name]:.3f}" for name in paths)
-            print(f"| {n} | {cells} | {ratio:.2f} |")
+    e, h, inter, device = args.experts, args.hidden, args.inter, args.device
+    paths = {"per-expert loop": experts_by_expert, "fused": fused_moe}
+    print(f"experts={e} top_k={args.top_k} hidden={h} inter={inter} on {device}, ms per call\n")
+    print("| dtype | tokens | per-expert loop | fused | loop / fused |")
+    print("|---|---:|---:|---:|---:|")
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        w13 = (torch.randn(e, 2 * inter, h) / h**0.5).to(device, dtype)
+        w2 = (torch.randn(e, h, inter) / inter**0.5).to(device, dtype)
+        with torch.no_grad():
+            for n in args.tokens:
+                x = torch.randn(n, h).to(device, dtype)
+                ids = torch.stack([torch.randperm(e)[: args.top_k] for _ in range(n)])
+                weights = torch.rand(n, args.top_k).to(device, dtype)
+                call = (x, w13, w2, ids.to(device), weights)
+                times: dict[str, list[float]] = {p: [] for p in paths}
+                for fn in paths.values():
+                    fn(*call)  # warm up
+                for r in range(args.rounds):  # interleaved, alternating the order
+                    order = list(paths) if r % 2 == 0 else list(reversed(paths))
+                    for p in order:
+                        times[p].append(_time(paths[p], call, args.calls))
+                med = {p: statistics.median(t) for p, t in times.items()}
+                ratio = med["per-expert loop"] / med["fused"]
+                print(
+                    f"| {name} | {n} | {med['per-expert loop']:.2f} | {med['fused']:.2f} | "
+                    f"{ratio:.2f}x |"
+                )
 
 
 if __name__ == "__main__":

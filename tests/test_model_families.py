@@ -15,15 +15,16 @@ from forward_helpers import prefill
 from mtp_oracle import make_oracle
 from random_heads import write_all, write_deepseek_mtp
 from safetensors.torch import load_file, save_file
-from tiny_models import FAMILIES, hf_logits, make_tiny_family
+from tiny_models import FAMILIES, hf_logits, make_tiny_family, write_fp8_copy
 from tp_workers import model_logits, spawn_ranks
 from transformers import AutoTokenizer
 
 from cluster import LLM, SamplingParams
 from cluster.config import ModelConfig, engine_config_from_args
 from cluster.config.architectures import TARGET_ARCHITECTURES
+from cluster.kernels.fused_moe import fused_moe_ref
 from cluster.models.loader import load_model
-from cluster.models.moe import experts_by_expert, experts_by_token
+from cluster.models.moe import experts_by_expert
 from cluster.models.registry import supported_architectures
 from cluster.parallel import ParallelState
 from cluster.worker.kv_cache import PagedKVCache
@@ -191,50 +192,14 @@ def test_oracle_deepseek_mtp_head_is_accepted_and_lossless(tmp_path, smollm2_pat
     assert drafted > 0 and sum(o.num_accepted_tokens for o in outs) / drafted > 0.95
 
 
-def _quantize_fp8(weight, block):
-    """(float8 weight, float32 scale per block) as DeepSeek's checkpoints store them."""
-    rows, cols = weight.shape
-    scales = torch.zeros(-(-rows // block), -(-cols // block))
-    quantized = torch.zeros(rows, cols, dtype=torch.float8_e4m3fn)
-    for i in range(scales.shape[0]):
-        for j in range(scales.shape[1]):
-            part = weight[i * block : (i + 1) * block, j * block : (j + 1) * block]
-            scales[i, j] = part.abs().max() / 448.0
-            quantized[i * block : (i + 1) * block, j * block : (j + 1) * block] = (
-                part / scales[i, j]
-            ).to(torch.float8_e4m3fn)
-    return quantized, scales
-
-
 def test_fp8_block_scaled_checkpoint_loads_dequantised(checkpoints, tmp_path):
     """A DeepSeek-V3 checkpoint with FP8 projection weights and `weight_scale_inv`
     blocks: the loaded weights are the blocks times their scales, and the logits equal
     transformers' on those dequantised weights."""
     path, hf = checkpoints["deepseek_v3"]
-    block = 16
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    out, dequantised = {}, {}
-    for name, t in tensors.items():
-        if t.dim() == 2 and ("proj" in name or "experts" in name):
-            q, scales = _quantize_fp8(t, block)
-            out[name], out[name.replace(".weight", ".weight_scale_inv")] = q, scales
-            # reference: each element times its block's scale
-            rows = torch.arange(t.shape[0])[:, None] // block
-            cols = torch.arange(t.shape[1])[None, :] // block
-            dequantised[name] = q.float() * scales[rows, cols]
-        else:
-            out[name] = dequantised[name] = t
     folder = tmp_path / "fp8"
-    shutil.copytree(path, folder)
-    save_file(out, folder / "model.safetensors")
+    dequantised = write_fp8_copy(path, str(folder), block=16)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "weight_block_size": [block, block],
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-    }
-    (folder / "config.json").write_text(json.dumps(config))
     model = load_model(
         ModelConfig(path=str(folder), dtype="float32"), ParallelState.single(), False
     )
@@ -274,7 +239,7 @@ def test_expert_paths_agree():
     top_ids = torch.tensor([[0, 3], [3, 1], [2, 0], [1, 2], [3, 0]])
     weights = torch.rand(5, 2, generator=g)
     by_expert = experts_by_expert(x, w13, w2, top_ids, weights)
-    torch.testing.assert_close(experts_by_token(x, w13, w2, top_ids, weights), by_expert)
+    torch.testing.assert_close(fused_moe_ref(x, w13, w2, top_ids, weights), by_expert)
     # the reference itself, one token and expert at a time
     for t in range(5):
         want = sum(

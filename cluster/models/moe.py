@@ -6,13 +6,10 @@ Tensor parallelism splits every expert's intermediate dimension across the TP ra
 (each rank holds a slice of every expert, as a row/column-parallel MLP does), so the
 ranks' partial sums are all-reduced once per block and no token moves between ranks.
 
-Two expert computations give the same result: `experts_by_expert` (each expert runs
-once over the tokens routed to it: the reference, and what runs eagerly) and
-`experts_by_token` (each (token, expert) pair gathers its expert's weights and the pairs
-run as one batched matmul). The second has no data-dependent shapes, so a compiled
-token bucket can trace it: `benchmarks/moe_experts.py` measured it compiled 1.3-1.6x faster
-than the eager loop for 1-4 decode tokens (64 experts, top-8), while eagerly it is 4-9x
-slower (the gathered weights are copied), so it runs only inside compiled graphs.
+The experts run fused (`cluster.kernels.fused_moe`): the (token, expert) pairs sorted by
+expert, then grouped GEMMs on CUDA (Triton) and one matmul per expert over contiguous rows
+on CPU, as one opaque op inside compiled graphs (no data-dependent shape escapes it).
+`experts_by_expert` is the reference in transformers' order of computation.
 """
 
 from __future__ import annotations
@@ -24,13 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.kernels.fused_moe import fused_moe
 from cluster.parallel import ParallelState, ReplicatedLinear
 from cluster.parallel.comm import all_reduce
 from cluster.parallel.linear import divide
 from cluster.parallel.weights import TensorLike, copy_shard
 
-# At most this many (token, expert) pairs take the gathered-weights path when compiled.
-MAX_GATHERED_PAIRS = 64
 # `...mlp.experts.7.gate_proj.weight` -> ("...mlp", 7, "gate")
 _EXPERT_TENSOR = re.compile(r"^(.*)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
@@ -53,22 +49,21 @@ def experts_by_expert(
     return out
 
 
-def experts_by_token(
+# Opaque to the compiler: the CPU path's per-expert row counts are data, not shapes.
+@torch.library.custom_op("cluster::fused_moe", mutates_args=())
+def _fused_moe_op(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     top_ids: torch.Tensor,
     top_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """`experts_by_expert`'s result (up to float rounding) from one batched matmul over the
-    (token, expert) pairs."""
-    num_tokens, top_k = top_ids.shape
-    ids = top_ids.reshape(-1)  # [pairs]
-    rows = x.repeat_interleave(top_k, dim=0)[:, :, None]  # [pairs, hidden, 1]
-    gate, up = torch.bmm(w13[ids], rows)[:, :, 0].chunk(2, dim=-1)  # [pairs, inter] each
-    y = torch.bmm(w2[ids], (F.silu(gate) * up)[:, :, None])[:, :, 0]  # [pairs, hidden]
-    y = y * top_weights.reshape(-1, 1)
-    return y.view(num_tokens, top_k, -1).sum(dim=1)
+    return fused_moe(x, w13, w2, top_ids, top_weights)
+
+
+@_fused_moe_op.register_fake
+def _(x, w13, w2, top_ids, top_weights):
+    return torch.empty_like(x)
 
 
 class SparseMoeBlock(nn.Module):
@@ -124,9 +119,9 @@ class SparseMoeBlock(nn.Module):
     def experts(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the routed experts' outputs ([num_tokens, hidden])."""
         top_ids, top_weights = self.route(x)
-        if torch.compiler.is_compiling() and top_ids.numel() <= MAX_GATHERED_PAIRS:
-            return experts_by_token(x, self.w13, self.w2, top_ids, top_weights)
-        return experts_by_expert(x, self.w13, self.w2, top_ids, top_weights)
+        if torch.compiler.is_compiling():
+            return torch.ops.cluster.fused_moe(x, self.w13, self.w2, top_ids, top_weights)
+        return fused_moe(x, self.w13, self.w2, top_ids, top_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(self.experts(x), self.state)
