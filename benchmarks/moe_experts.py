@@ -5,6 +5,7 @@ Triton grouped GEMMs). Milliseconds per call, medians of interleaved rounds, and
 loop's time over the fused path's.
 
     python benchmarks/moe_experts.py [--experts 64 --top-k 8 --hidden 1024 --inter 384]
+        [--bandwidth-gbs 4800]   # adds the fused path's time over the weight read time
 """
 
 from __future__ import annotations
@@ -40,13 +41,19 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        help="memory bandwidth (GB/s): report fused / (bytes of the experts used / bandwidth)",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     e, h, inter, device = args.experts, args.hidden, args.inter, args.device
     paths = {"per-expert loop": experts_by_expert, "fused": fused_moe}
     print(f"experts={e} top_k={args.top_k} hidden={h} inter={inter} on {device}, ms per call\n")
-    print("| dtype | tokens | per-expert loop | fused | loop / fused |")
-    print("|---|---:|---:|---:|---:|")
+    roof = " fused / weight read |" if args.bandwidth_gbs else ""
+    print("| dtype | tokens | per-expert loop | fused | loop / fused |" + roof)
+    print("|---|---:|---:|---:|---:|" + ("---:|" if roof else ""))
     for name in args.dtypes:
         dtype = getattr(torch, name)
         w13 = (torch.randn(e, 2 * inter, h) / h**0.5).to(device, dtype)
@@ -66,10 +73,13 @@ def main() -> None:
                         times[p].append(_time(paths[p], call, args.calls))
                 med = {p: statistics.median(t) for p, t in times.items()}
                 ratio = med["per-expert loop"] / med["fused"]
-                print(
-                    f"| {name} | {n} | {med['per-expert loop']:.2f} | {med['fused']:.2f} | "
-                    f"{ratio:.2f}x |"
-                )
+                cells = f"| {name} | {n} | {med['per-expert loop']:.3f} | {med['fused']:.3f} | "
+                cells += f"{ratio:.2f}x |"
+                if args.bandwidth_gbs:  # only the experts some token chose are read
+                    used = ids.unique().numel() * 3 * inter * h * w13.element_size()
+                    read_ms = used / (args.bandwidth_gbs * 1e9) * 1e3
+                    cells += f" {med['fused'] / read_ms:.2f}x |"
+                print(cells)
 
 
 if __name__ == "__main__":

@@ -236,3 +236,23 @@ def test_cluster_serve_takes_a_hub_id_with_vllms_flags(tmp_path, smollm2_path):
         server.stop()
     finally:
         server.kill()
+
+
+def test_enable_expert_parallel_sets_expert_parallel_size_to_the_tp_size():
+    import argparse
+
+    from cluster.serve.model_command import add_model_flags, manifest_config
+
+    parser = argparse.ArgumentParser()
+    add_model_flags(parser)
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    flags = parser.parse_args(["-tp", "4", "--enable-expert-parallel"])
+    parallel = manifest_config("some/moe", flags)["applications"][0]["args"]["parallel"]
+    assert parallel == {
+        "tensor_parallel_size": 4,
+        "pipeline_parallel_size": 1,
+        "expert_parallel_size": 4,
+    }
+    plain = manifest_config("some/moe", parser.parse_args(["-tp", "4"]))
+    assert "expert_parallel_size" not in plain["applications"][0]["args"]["parallel"]

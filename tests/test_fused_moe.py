@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.kernels.fused_moe import align_by_expert, fused_moe_ref, max_slots
+from cluster.kernels.fused_moe import fused_moe_ref
 from cluster.kernels.fused_moe_triton import fused_moe_triton
+from cluster.kernels.moe_layout import align_by_expert, max_slots
 from cluster.models.moe import experts_by_expert
 
 # 16-bit: bfloat16 on CUDA; float16 under the interpreter, whose tl.dot mishandles bfloat16

@@ -32,11 +32,12 @@ from cluster.parallel.spawn import free_port
 
 
 def model_logits(
-    rank: int, init_method: str, tp: int, paths: list[str], seqs: list[list[int]]
+    rank: int, init_method: str, tp: int, paths: list[str], seqs: list[list[int]], ep: int = 1
 ) -> list[torch.Tensor]:
-    """Logits of each checkpoint in `paths` for the flattened batch `seqs`, on this rank."""
+    """Logits of each checkpoint in `paths` for the flattened batch `seqs`, on this rank
+    (`ep`: the expert-parallel size)."""
     torch.set_num_threads(1)
-    state = init_parallel_state(rank, tp, 1, init_method, "gloo")
+    state = init_parallel_state(rank, tp, 1, init_method, "gloo", expert_parallel_size=ep)
     try:
         outs = []
         for path in paths:

@@ -120,3 +120,29 @@ def check_target_config(hf_config: Any, tensor_parallel_size: int, max_model_len
             f"n_routed_experts={hf_config.n_routed_experts} must be a multiple of "
             f"n_group={hf_config.n_group}"
         )
+
+
+def num_routed_experts(hf_config: Any) -> int:
+    """The routed experts of an MoE config (0 for a dense one)."""
+    return int(getattr(hf_config, "n_routed_experts", None) or getattr(hf_config, "num_experts", 0))
+
+
+def check_expert_parallel(hf_config: Any, tensor_parallel_size: int, ep: int) -> None:
+    """Expert parallelism spreads whole experts over one stage's TP ranks."""
+    if ep == 1:
+        return
+    if ep != tensor_parallel_size:
+        raise ValueError(
+            f"parallel.expert_parallel_size={ep} must be 1 or tensor_parallel_size="
+            f"{tensor_parallel_size} (the experts are spread over one stage's TP ranks)"
+        )
+    experts = num_routed_experts(hf_config)
+    if experts == 0:
+        raise ValueError(
+            f"parallel.expert_parallel_size={ep} needs a mixture-of-experts model; "
+            f"{architecture_of(hf_config)} has no routed experts"
+        )
+    if experts % ep:
+        raise ValueError(
+            f"parallel.expert_parallel_size={ep} must divide the model's {experts} experts"
+        )

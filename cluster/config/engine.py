@@ -16,7 +16,11 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cluster.config.architectures import check_target_config, has_recurrent_layers
+from cluster.config.architectures import (
+    check_expert_parallel,
+    check_target_config,
+    has_recurrent_layers,
+)
 from cluster.config.dtypes import resolve_dtype
 from cluster.config.hub import resolve_model_path
 from cluster.config.speculative import SpeculativeConfig
@@ -148,6 +152,7 @@ class ParallelConfig(_Frozen):
     pipeline_parallel_size: int = Field(default=1, ge=1)
     # Decoder layers per stage (e.g. (16, 14)); None splits evenly, earlier stages first.
     pipeline_layer_partition: tuple[int, ...] | None = None
+    expert_parallel_size: int = Field(default=1, ge=1)
     backend: Literal["auto", "nccl", "gloo"] = "auto"
 
     @property
@@ -245,6 +250,9 @@ class EngineConfig(_Frozen):
         hf = self.model.hf_config
         max_len = self.model.resolved_max_model_len
         check_target_config(hf, self.parallel.tensor_parallel_size, max_len)
+        check_expert_parallel(
+            hf, self.parallel.tensor_parallel_size, self.parallel.expert_parallel_size
+        )
         stage_layer_counts(
             int(hf.num_hidden_layers),
             self.parallel.pipeline_parallel_size,
@@ -287,6 +295,7 @@ FLAT_ENGINE_ARGS = {
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "pipeline_layer_partition": ("parallel", "pipeline_layer_partition"),
+    "expert_parallel_size": ("parallel", "expert_parallel_size"),
     "distributed_backend": ("parallel", "backend"),
     "block_size": ("cache", "block_size"),
     "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),

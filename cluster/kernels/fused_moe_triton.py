@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cluster.kernels.fused_moe import align_by_expert
+from cluster.kernels.moe_layout import align_by_expert
 
 BLOCK_M = 16
 BLOCK_N = 64

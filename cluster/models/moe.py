@@ -5,6 +5,9 @@ of its experts' outputs.
 Tensor parallelism splits every expert's intermediate dimension across the TP ranks
 (each rank holds a slice of every expert, as a row/column-parallel MLP does), so the
 ranks' partial sums are all-reduced once per block and no token moves between ranks.
+Expert parallelism (`expert_parallel_size` = the TP size) instead gives each rank whole
+experts and sends tokens to them (`cluster.models.expert_parallel`); the block's
+all-reduce is the same.
 
 The experts run fused (`cluster.kernels.fused_moe`): the (token, expert) pairs sorted by
 expert, then grouped GEMMs on CUDA (Triton) and one matmul per expert over contiguous rows
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.kernels.fused_moe import fused_moe
+from cluster.models.expert_parallel import expert_parallel_experts
 from cluster.parallel import ParallelState, ReplicatedLinear
 from cluster.parallel.comm import all_reduce
 from cluster.parallel.linear import divide
@@ -67,9 +71,10 @@ def _(x, w13, w2, top_ids, top_weights):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router (`gate`), then the experts; `w13` / `w2` hold every expert's TP slice.
-    Qwen3-MoE's routing (softmax, top-k, optionally renormalised); `route` is what other
-    families change."""
+    """Router (`gate`), then the experts. `w13` / `w2` hold every expert's TP slice, or,
+    with expert parallelism (`state.ep_size > 1`), this rank's whole experts from
+    `first_expert` on (`cluster.models.expert_parallel`). Qwen3-MoE's routing (softmax,
+    top-k, optionally renormalised); `route` is what other families change."""
 
     def __init__(
         self, config: Any, state: ParallelState, dtype: torch.dtype, num_experts: int | None = None
@@ -83,30 +88,52 @@ class SparseMoeBlock(nn.Module):
         num_experts = num_experts or int(config.num_experts)
         hidden = int(config.hidden_size)
         self.intermediate = int(config.moe_intermediate_size)
-        local = divide(self.intermediate, state.tp_size, "moe_intermediate_size")
+        self.expert_parallel = state.ep_size > 1
+        if self.expert_parallel:
+            experts = divide(num_experts, state.ep_size, "the number of experts")
+            self.first_expert, local = state.tp_rank * experts, self.intermediate
+        else:
+            self.first_expert, experts = 0, num_experts
+            local = divide(self.intermediate, state.tp_size, "moe_intermediate_size")
         self.gate = ReplicatedLinear(hidden, num_experts, state, dtype=dtype)
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * local, hidden, dtype=dtype), requires_grad=False
+            torch.empty(experts, 2 * local, hidden, dtype=dtype), requires_grad=False
         )
         self.w2 = nn.Parameter(
-            torch.empty(num_experts, hidden, local, dtype=dtype), requires_grad=False
+            torch.empty(experts, hidden, local, dtype=dtype), requires_grad=False
         )
         self.w13.weight_loader = self._load_w13
         self.w2.weight_loader = self._load_w2
-        # what a checkpoint must provide (the loader checks it)
-        self.w13.checkpoint_shards = {(e, j) for e in range(num_experts) for j in (0, 1)}
-        self.w2.checkpoint_shards = set(range(num_experts))
+        # what a checkpoint must provide (the loader checks it); other ranks' experts are
+        # skipped
+        mine = range(self.first_expert, self.first_expert + experts)
+        self.w13.checkpoint_shards = {(e, j) for e in mine for j in (0, 1)}
+        self.w2.checkpoint_shards = set(mine)
+
+    def _local(self, expert: int) -> int | None:
+        """The expert's index in `w13` / `w2`, or None when another rank holds it."""
+        index = expert - self.first_expert
+        return index if 0 <= index < self.w2.shape[0] else None
+
+    def _slice_start(self, local: int) -> int:
+        return 0 if self.expert_parallel else self.state.tp_rank * local
 
     def _load_w13(self, param: nn.Parameter, loaded: TensorLike, shard: tuple[int, int]) -> None:
         expert, part = shard  # part 0: gate_proj, 1: up_proj
+        index = self._local(expert)
+        if index is None:
+            return
         local = param.shape[1] // 2
-        dst = param.data[expert].narrow(0, part * local, local)
-        copy_shard(dst, loaded, 0, self.state.tp_rank * local, local, full=self.intermediate)
+        dst = param.data[index].narrow(0, part * local, local)
+        copy_shard(dst, loaded, 0, self._slice_start(local), local, full=self.intermediate)
 
     def _load_w2(self, param: nn.Parameter, loaded: TensorLike, expert: int) -> None:
+        index = self._local(expert)
+        if index is None:
+            return
         local = param.shape[2]
-        dst = param.data[expert]
-        copy_shard(dst, loaded, 1, self.state.tp_rank * local, local, full=self.intermediate)
+        dst = param.data[index]
+        copy_shard(dst, loaded, 1, self._slice_start(local), local, full=self.intermediate)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """([num_tokens, top_k] expert ids, their weights in x's dtype)."""
@@ -119,6 +146,8 @@ class SparseMoeBlock(nn.Module):
     def experts(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the routed experts' outputs ([num_tokens, hidden])."""
         top_ids, top_weights = self.route(x)
+        if self.expert_parallel:
+            return expert_parallel_experts(x, self.w13, self.w2, top_ids, top_weights, self.state)
         if torch.compiler.is_compiling():
             return torch.ops.cluster.fused_moe(x, self.w13, self.w2, top_ids, top_weights)
         return fused_moe(x, self.w13, self.w2, top_ids, top_weights)

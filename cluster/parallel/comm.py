@@ -50,3 +50,15 @@ def recv(
     if state.world_size > 1:
         dist.recv(out, src=src)
     return out
+
+
+def all_to_all(
+    x: torch.Tensor, send_counts: list[int], recv_counts: list[int], state: ParallelState
+) -> torch.Tensor:
+    """Rows of `x` to the TP ranks (`send_counts[r]` consecutive rows to rank r, in rank
+    order); returns the `sum(recv_counts)` rows received, in rank order."""
+    if state.tp_size == 1:
+        return x
+    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=state.tp_group)
+    return out

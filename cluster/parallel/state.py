@@ -26,6 +26,9 @@ class ParallelState:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # Decoder layers per pipeline stage; None: an even split (see `parallel.pipeline`).
     pp_layer_partition: tuple[int, ...] | None = None
+    # Expert parallelism: 1 (every TP rank holds a slice of every expert) or tp_size (the
+    # TP ranks hold whole experts, a 1/tp_size share each, and exchange tokens).
+    ep_size: int = 1
 
     @staticmethod
     def single(device: str | torch.device = "cpu") -> ParallelState:
@@ -61,6 +64,7 @@ def init_parallel_state(
     device: str | torch.device = "cpu",
     timeout_s: float = 300.0,
     pp_layer_partition: tuple[int, ...] | None = None,
+    expert_parallel_size: int = 1,
 ) -> ParallelState:
     """Join the process group (world = tp * pp) and build this rank's TP group.
 
@@ -68,6 +72,11 @@ def init_parallel_state(
     or `file://...`); nothing is hard-coded.
     """
     world_size = tensor_parallel_size * pipeline_parallel_size
+    if expert_parallel_size not in (1, tensor_parallel_size):
+        raise ValueError(
+            f"expert_parallel_size={expert_parallel_size} must be 1 or the tensor-parallel "
+            f"size ({tensor_parallel_size}): the experts are spread over one stage's TP ranks"
+        )
     if world_size == 1:
         return ParallelState.single(device)
     dist.init_process_group(
@@ -93,6 +102,7 @@ def init_parallel_state(
         tp_group=tp_group,
         device=torch.device(device),
         pp_layer_partition=pp_layer_partition,
+        ep_size=expert_parallel_size,
     )
 
 

@@ -23,6 +23,12 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     add("--served-model-name", help="the model name clients send (default: MODEL as given)")
     add("--tensor-parallel-size", "-tp", type=int, default=1)
     add("--pipeline-parallel-size", "-pp", type=int, default=1)
+    add(
+        "--enable-expert-parallel",
+        "-ep",
+        action="store_true",
+        help="MoE models: whole experts spread over the TP ranks (expert_parallel_size = TP)",
+    )
     add("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
     add("--max-model-len", type=int, help="default: the model's max_position_embeddings")
     add("--max-num-seqs", type=int, help="sequences batched at once")
@@ -63,6 +69,8 @@ def manifest_config(model: str, flags: argparse.Namespace) -> dict[str, Any]:
             "pipeline_parallel_size": flags.pipeline_parallel_size,
         },
     }
+    if flags.enable_expert_parallel:
+        args["parallel"]["expert_parallel_size"] = flags.tensor_parallel_size
     if flags.max_num_seqs is not None:
         args["scheduler"] = {"max_num_seqs": flags.max_num_seqs}
     if flags.speculative_config:

@@ -61,6 +61,7 @@ class Worker:
             parallel.distributed_backend,
             device,
             pp_layer_partition=parallel.pipeline_layer_partition,
+            expert_parallel_size=parallel.expert_parallel_size,
         )
         torch.manual_seed(config.seed)
         check_layout_fits(config, self.state)  # before a byte is loaded
