@@ -13,7 +13,9 @@ Per layer and sequence the state is (a) the convolution's last `kernel - 1` inpu
 with q and k L2-normalised and q scaled by head_k_dim ** -0.5: transformers'
 `torch_recurrent_gated_delta_rule`, token by token. This file is the torch reference and
 the CPU path; the sequences of a step run side by side (padded to the longest), so a decode
-step is one iteration whatever the batch.
+step is one iteration whatever the batch. Long runs of tokens after which no state is kept
+(most of a prefill) take the equivalent chunked form instead
+(`cluster.models.gated_delta_chunked`), several times faster.
 
 States live outside the model (`cluster.worker.state_cache`). The step's `StepStates`
 (in `AttentionMetadata.recurrent`) gives each sequence's starting state and takes the
@@ -30,6 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from cluster.models.attention import AttentionMetadata, current_metadata
+from cluster.models.gated_delta_chunked import chunked_delta_rule
+
+# Shorter runs of columns with no kept state stay token by token: little to gain there (on
+# CPU the chunked form already wins from a few tokens), and short steps keep the reference.
+MIN_CHUNKED_TOKENS = 16
 
 
 class RecurrentShape(NamedTuple):
@@ -90,6 +97,27 @@ class _Layout:
         self.flat = self.rows[self.valid]  # [num_tokens] in grid order
 
 
+def _spans(kept: list[bool], chunk_size: int | None) -> list[tuple[int, int, bool]]:
+    """The grid's columns as consecutive (start, end, chunked) spans: chunked for each run
+    of at least `MIN_CHUNKED_TOKENS` columns in which no state is kept."""
+    min_run = MIN_CHUNKED_TOKENS if chunk_size else len(kept) + 1
+    spans: list[tuple[int, int, bool]] = []
+    start = run = 0  # start of the current token-by-token span; unkept columns before t
+    for t, is_kept in enumerate([*kept, True]):
+        if not is_kept:
+            run += 1
+            continue
+        if run >= min_run:
+            if t - run > start:
+                spans.append((start, t - run, False))
+            spans.append((t - run, t, True))
+            start = t
+        run = 0
+    if start < len(kept):
+        spans.append((start, len(kept), False))
+    return spans
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
@@ -103,9 +131,15 @@ def gated_delta_ref(
     num_k_heads: int,
     head_k_dim: int,
     head_v_dim: int,
+    chunk_size: int | None = 32,
 ) -> torch.Tensor:
     """[num_tokens, heads, head_v_dim]: every sequence of the current step's batch through
-    the convolution and the recurrence, from and to its saved states."""
+    the convolution and the recurrence, from and to its saved states.
+
+    Runs of at least `MIN_CHUNKED_TOKENS` grid columns where no state is kept go through
+    the chunked form in chunks of at most `chunk_size` tokens; the other columns (decode,
+    verification, the kept tail of a prefill) token by token. `chunk_size=None`: every
+    column token by token (the reference)."""
     meta = current_metadata()
     n = meta.num_tokens
     num_rows = mixed_qkv.shape[0]  # a compiled forward pads to its bucket
@@ -136,19 +170,27 @@ def gated_delta_ref(
     v = v.reshape(num_seqs, max_len, heads, head_v_dim).float()
     q = l2norm(q.float()) * head_k_dim**-0.5
     k = l2norm(k.float())
-    decay = g[grid.rows].float().exp()  # [num_seqs, max_len, heads]
-    rate = beta[grid.rows].float()
+    # padding tokens get g = 0 and beta = 0: an update that leaves the state as it is
+    decay_log = torch.where(grid.valid[..., None], g[grid.rows].float(), 0.0)
+    rate = torch.where(grid.valid[..., None], beta[grid.rows].float(), 0.0)
+    decay = decay_log.exp()  # [num_seqs, max_len, heads]
     out = torch.empty(num_seqs, max_len, heads, head_v_dim, device=device)
-    for t in range(max_len):
-        k_t = k[:, t, :, :, None]  # [num_seqs, heads, dk, 1]
-        decayed = s * decay[:, t, :, None, None]
-        delta = (v[:, t] - (decayed * k_t).sum(dim=-2)) * rate[:, t, :, None]
-        updated = decayed + k_t * delta[:, :, None, :]
-        s = torch.where(grid.valid[:, t, None, None, None], updated, s)
-        out[:, t] = (s * q[:, t, :, :, None]).sum(dim=-2)
-        if keep is not None:
-            seqs = (keep[:, t] >= 0).nonzero()[:, 0]
-            if seqs.numel():
+    kept = [False] * max_len if keep is None else (keep >= 0).any(dim=0).tolist()
+    for start, end, chunked in _spans(kept, chunk_size):
+        if chunked:  # no state is kept inside: the chunked form, state out at the end only
+            cols = slice(start, end)
+            inputs = (x[:, cols] for x in (q, k, v, decay_log, rate))
+            out[:, cols], s = chunked_delta_rule(*inputs, s, chunk_size)
+            continue
+        for t in range(start, end):
+            k_t = k[:, t, :, :, None]  # [num_seqs, heads, dk, 1]
+            decayed = s * decay[:, t, :, None, None]
+            delta = (v[:, t] - (decayed * k_t).sum(dim=-2)) * rate[:, t, :, None]
+            updated = decayed + k_t * delta[:, :, None, :]
+            s = torch.where(grid.valid[:, t, None, None, None], updated, s)
+            out[:, t] = (s * q[:, t, :, :, None]).sum(dim=-2)
+            if keep is not None and kept[t]:
+                seqs = (keep[:, t] >= 0).nonzero()[:, 0]
                 window = xs[seqs, t + 1 : t + kernel]  # the last kernel - 1 inputs
                 states.write(layer_idx, seqs, keep[seqs, t], window, s[seqs])
     result = out[grid.valid].to(dtype)  # [num_tokens, heads, dv] in grid order
