@@ -7,15 +7,13 @@ configs the engine cannot serve exactly are refused when the configuration is bu
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
 from forward_helpers import prefill
 from mtp_oracle import make_oracle
 from random_heads import write_all, write_deepseek_mtp
-from safetensors.torch import load_file, save_file
-from tiny_models import FAMILIES, hf_logits, make_tiny_family, write_fp8_copy
+from tiny_models import FAMILIES, hf_logits, make_tiny_family
 from tp_workers import model_logits, spawn_ranks
 from transformers import AutoTokenizer
 
@@ -72,6 +70,20 @@ def test_tp2_logits_match_transformers(checkpoints):
     seqs = _batch(min(checkpoints[n][1].config.vocab_size for n in names), seed=2)
     paths = [checkpoints[n][0] for n in names]
     per_rank = spawn_ranks(model_logits, 2, args=(2, paths, [s.tolist() for s in seqs]))
+    for i, name in enumerate(names):
+        refs = hf_logits(checkpoints[name][1], seqs)
+        for rank_logits in per_rank:
+            for ours, ref in zip(rank_logits[i].split(SEQ_LENS), refs, strict=True):
+                assert (ours - ref).abs().max().item() < TOL, name
+
+
+def test_expert_parallel_logits_match_transformers(checkpoints):
+    """EP=2 (whole experts per rank, tokens exchanged by all-to-all over gloo) on every
+    MoE family; the two ranks dispatch different halves of the tokens."""
+    names = [n for n in FAMILIES if "moe" in n or "deepseek" in n or "next" in n]
+    seqs = _batch(min(checkpoints[n][1].config.vocab_size for n in names), seed=3)
+    paths = [checkpoints[n][0] for n in names]
+    per_rank = spawn_ranks(model_logits, 2, args=(2, paths, [s.tolist() for s in seqs], 2))
     for i, name in enumerate(names):
         refs = hf_logits(checkpoints[name][1], seqs)
         for rank_logits in per_rank:
@@ -192,34 +204,6 @@ def test_oracle_deepseek_mtp_head_is_accepted_and_lossless(tmp_path, smollm2_pat
     assert drafted > 0 and sum(o.num_accepted_tokens for o in outs) / drafted > 0.95
 
 
-def test_fp8_block_scaled_checkpoint_loads_dequantised(checkpoints, tmp_path):
-    """A DeepSeek-V3 checkpoint with FP8 projection weights and `weight_scale_inv`
-    blocks: the loaded weights are the blocks times their scales, and the logits equal
-    transformers' on those dequantised weights."""
-    path, hf = checkpoints["deepseek_v3"]
-    folder = tmp_path / "fp8"
-    dequantised = write_fp8_copy(path, str(folder), block=16)
-    config = json.loads((folder / "config.json").read_text())
-    model = load_model(
-        ModelConfig(path=str(folder), dtype="float32"), ParallelState.single(), False
-    )
-    kv_b = "model.layers.2.self_attn.kv_b_proj.weight"
-    assert torch.equal(dict(model.named_parameters())[kv_b], dequantised[kv_b])
-    plain = tmp_path / "dequantised"  # transformers reads the same weights unquantised
-    shutil.copytree(path, plain)
-    save_file(dequantised, plain / "model.safetensors")
-    reference = type(hf).from_pretrained(str(plain), dtype=torch.float32).eval()
-    seqs = _batch(hf.config.vocab_size, seed=4)
-    with torch.no_grad():
-        logits = model.compute_logits(prefill(model, torch.cat(seqs), SEQ_LENS))
-    for ours, ref in zip(logits.split(SEQ_LENS), hf_logits(reference, seqs), strict=True):
-        assert (ours - ref).abs().max().item() < TOL
-    with pytest.raises(ValueError, match="quant_method='awq' is not supported"):
-        config["quantization_config"] = {"quant_method": "awq"}
-        (folder / "config.json").write_text(json.dumps(config))
-        engine_config_from_args(str(folder), max_model_len=128)
-
-
 def test_mla_cache_holds_each_latent_once(checkpoints):
     """One KV 'head' of kv_lora_rank + rope dims per MLA layer, its values the keys'
     tensor: the cache is sized for it once."""
@@ -279,6 +263,24 @@ def _edited(path, tmp_path, **changes):
             r"divide the model's moe_intermediate_size=33",
         ),
         ("qwen2", {"architectures": ["GPT2LMHeadModel"]}, {}, r"are not supported"),
+        (
+            "qwen2",
+            {"rms_norm_eps": 1e-6},
+            {"tensor_parallel_size": 2, "expert_parallel_size": 2},
+            r"expert_parallel_size=2 needs a mixture-of-experts model",
+        ),
+        (
+            "qwen3_moe",
+            {"rms_norm_eps": 1e-6},
+            {"tensor_parallel_size": 2, "expert_parallel_size": 4},
+            r"expert_parallel_size=4 must be 1 or tensor_parallel_size=2",
+        ),
+        (
+            "qwen3_moe",
+            {"num_local_experts": 5},  # transformers' name for num_experts on disk
+            {"tensor_parallel_size": 2, "expert_parallel_size": 2},
+            r"must divide the model's 5 experts",
+        ),
     ],
 )
 def test_unservable_configs_are_refused_when_built(

@@ -1,9 +1,12 @@
 """Tiny random checkpoints written by the tests (transformers config + save_pretrained):
-Llama variants, and one config per other served family (`FAMILIES`)."""
+Llama variants, one config per other served family (`FAMILIES`), and FP8 block-scaled
+copies of a checkpoint as DeepSeek-V3 stores them (`write_fp8_copy`)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -194,3 +197,51 @@ def make_tiny_chat_model(path: str, tokenizer_path: str, seed: int = 0, **overri
     model = make_tiny_llama(path, seed=seed, **overrides)
     AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(path)
     return model
+
+
+def quantize_fp8_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, float32 scale per block) as DeepSeek's checkpoints store them."""
+    rows, cols = weight.shape
+    scales = torch.zeros(-(-rows // block), -(-cols // block))
+    quantized = torch.zeros(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            part = weight[i * block : (i + 1) * block, j * block : (j + 1) * block]
+            scales[i, j] = part.abs().max() / 448.0
+            quantized[i * block : (i + 1) * block, j * block : (j + 1) * block] = (
+                part / scales[i, j]
+            ).to(torch.float8_e4m3fn)
+    return quantized, scales
+
+
+def write_fp8_copy(path: str, folder: str, block: int) -> dict[str, torch.Tensor]:
+    """Copy the checkpoint at `path` to `folder` with every projection and expert matrix
+    stored as FP8 blocks of `block` x `block` plus `weight_scale_inv` (config:
+    `quantization_config.quant_method: fp8`); returns its tensors dequantised (each
+    element times its block's scale; the others as they were)."""
+    from safetensors.torch import load_file, save_file
+
+    out, dequantised = {}, {}
+    for name, t in load_file(os.path.join(path, "model.safetensors")).items():
+        if t.dim() == 2 and ("proj" in name or "experts" in name):
+            q, scales = quantize_fp8_blocks(t, block)
+            out[name], out[name.replace(".weight", ".weight_scale_inv")] = q, scales
+            rows = torch.arange(t.shape[0])[:, None] // block
+            cols = torch.arange(t.shape[1])[None, :] // block
+            dequantised[name] = q.float() * scales[rows, cols]
+        else:
+            out[name] = dequantised[name] = t
+    shutil.copytree(path, folder)
+    save_file(out, os.path.join(folder, "model.safetensors"))
+    config_path = os.path.join(folder, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "weight_block_size": [block, block],
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+    }
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    return dequantised

@@ -94,6 +94,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), state, dtype=dtype
         )
+        self.kv_b_proj.fp8_allowed = False  # read as W_UK / W_UV below, never called
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, state, bias, dtype=dtype)
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(self.rope_dim, theta, scaling)
@@ -139,6 +140,7 @@ class DeepseekMoE(SparseMoeBlock):
         self.gate = ReplicatedLinear(
             int(config.hidden_size), num_experts, state, dtype=torch.float32
         )
+        self.gate.fp8_allowed = False  # its weight is read directly (`route`)
         self.gate.e_score_correction_bias = nn.Parameter(
             torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
         )

@@ -1,16 +1,30 @@
 """FP8 checkpoints with block scales (DeepSeek-V3's `quant_method: fp8`): every
 `X.weight` stored as float8_e4m3fn has an `X.weight_scale_inv` holding one float32 scale
-per `weight_block_size` block. `cluster` computes in the model dtype: the loader reads
-such weights dequantised (weight x its block's scale), and the scales are not loaded as
-tensors of their own. There is no FP8 compute path.
+per `weight_block_size` block.
+
+Two ways to load them (`cluster.models.loader.load_weights` picks one and logs which):
+
+- FP8 compute, where the device has FP8 tensor cores (`fp8_compute_supported`: CUDA with
+  compute capability >= 8.9) or when asked for (`fp8_compute=True`, e.g. CPU tests,
+  which run the torch reference): the tensor-parallel linear layers keep `weight` as
+  float8_e4m3fn plus their `weight_scale_inv` shard (`cluster.parallel.fp8_weights`) and
+  multiply through `cluster.kernels.fp8_linear` (activations quantised per token and
+  block of columns). Weights that are not a linear layer's keep the dequantised path:
+  MoE experts (`w13` / `w2`), and layers whose weight the model reads as a matrix
+  (`fp8_allowed = False`, e.g. MLA's `kv_b_proj`, absorbed into queries and outputs).
+- Otherwise every such weight is read dequantised (weight times its block's scale) into
+  the model dtype, and the scales are not loaded as tensors of their own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
+from cluster.parallel.linear import LinearBase
 from cluster.parallel.weights import LazyTensor
 
 SCALE_SUFFIX = "_scale_inv"
@@ -39,20 +53,26 @@ def dequantize_blocks(
     return weight.float() * scales
 
 
-def dequantizing(tensors: list[LazyTensor], block: tuple[int, int]) -> list[LazyTensor]:
-    """The checkpoint's tensors with every weight that has a scale read dequantised (the
-    whole weight is dequantised, then the reader's slice taken), the scales dropped."""
-    scales = {
-        t.name[: -len(SCALE_SUFFIX)]: t
-        for t in tensors
-        if t.name.endswith(".weight" + SCALE_SUFFIX)
-    }
+def scales_by_weight(tensors: list[LazyTensor]) -> dict[str, LazyTensor]:
+    """Checkpoint weight name -> its `weight_scale_inv` tensor."""
+    suffix = ".weight" + SCALE_SUFFIX
+    return {t.name[: -len(SCALE_SUFFIX)]: t for t in tensors if t.name.endswith(suffix)}
+
+
+def split_fp8(
+    tensors: list[LazyTensor], block: tuple[int, int], kept: set[str]
+) -> tuple[list[LazyTensor], dict[str, LazyTensor]]:
+    """(tensors to load, scale of each weight kept FP8 by weight name): the weights named
+    in `kept` stay float8 (their scales are loaded with them), every other weight that has
+    a scale is read dequantised (the whole weight, then the reader's slice), and the scale
+    tensors themselves are left out of the list."""
+    scales = scales_by_weight(tensors)
     out = []
     for tensor in tensors:
         if tensor.name.endswith(".weight" + SCALE_SUFFIX):
             continue
         scale = scales.get(tensor.name)
-        if scale is not None:
+        if scale is not None and tensor.name not in kept:
 
             def read(slices: tuple[slice, ...], w=tensor, s=scale) -> torch.Tensor:
                 full = dequantize_blocks(w.load(), s.load(), block)
@@ -60,4 +80,29 @@ def dequantizing(tensors: list[LazyTensor], block: tuple[int, int]) -> list[Lazy
 
             tensor = LazyTensor(tensor.name, tensor.full_shape, read)
         out.append(tensor)
-    return out
+    return out, {name: scales[name] for name in kept}
+
+
+def make_fp8_layers(
+    model: nn.Module,
+    weight_names: Iterable[str],
+    resolve: Callable[[str], str | None],
+    block: tuple[int, int],
+) -> set[str]:
+    """Switch every linear layer filled by one of `weight_names` (checkpoint weights that
+    have scales; `resolve` maps each to its parameter name, None if this model skips it)
+    to FP8 weights, unless it opts out (`fp8_allowed`); returns the names it switched."""
+    kept = set()
+    for name in weight_names:
+        param = resolve(name)
+        if param is None:
+            continue
+        path, _, leaf = param.rpartition(".")
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if leaf == "weight" and isinstance(module, LinearBase) and module.fp8_allowed:
+            module.use_fp8_weight(block)
+            kept.add(name)
+    return kept

@@ -9,6 +9,7 @@ its name mapping (`packed_modules_mapping`, `ignored_checkpoint_tensors`,
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 
@@ -18,8 +19,15 @@ from tqdm import tqdm
 
 from cluster.config import ModelConfig
 from cluster.config.checkpoints import checkpoint_tensor_shapes, iterate_tensors
+from cluster.kernels.fp8_linear import fp8_compute_supported
 from cluster.models.draft_base import DraftModel
-from cluster.models.fp8 import block_size_of, dequantizing
+from cluster.models.fp8 import (
+    SCALE_SUFFIX,
+    block_size_of,
+    make_fp8_layers,
+    scales_by_weight,
+    split_fp8,
+)
 from cluster.models.registry import model_class_for
 from cluster.parallel import ParallelState
 from cluster.parallel.weights import LazyTensor, default_weight_loader
@@ -36,6 +44,7 @@ def load_weights(
     path: str,
     show_progress: bool = True,
     rename: Callable[[str], str | None] | None = None,
+    fp8_compute: bool | None = None,
 ) -> None:
     """Fill every parameter of `model` from the checkpoint at `path`, strictly: a tensor
     the model has no parameter for is an error naming it, unless the model lists it in
@@ -44,37 +53,53 @@ def load_weights(
     `rename` (default: the model's `map_checkpoint_name`, if any) maps checkpoint names
     to parameter names; None skips a tensor on purpose (a draft's foreign tensors,
     another pipeline stage's layers). A model's `checkpoint_shard(name)` may place a
-    tensor in part of a stacked parameter (MoE experts)."""
-    params = dict(model.named_parameters())
+    tensor in part of a stacked parameter (MoE experts).
+
+    FP8 checkpoints (`cluster.models.fp8`): with `fp8_compute` (default: whether the
+    model's device computes in FP8) the linear layers keep their weights as FP8 with block
+    scales; otherwise the weights are read dequantised."""
     packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     ignored: tuple[str, ...] = getattr(model, "ignored_checkpoint_tensors", ())
     tied = bool(getattr(model, "tie_word_embeddings", False))
     rename = rename or getattr(model, "map_checkpoint_name", None)
     shard_of = getattr(model, "checkpoint_shard", None)
     loaded: dict[str, set[object]] = {}  # parameter -> shard ids filled (None: whole)
+
+    def place(name: str) -> tuple[str, object] | None:
+        """Checkpoint name -> (parameter name, shard id); None: skipped on purpose."""
+        if tied and name == "lm_head.weight":
+            return None
+        mapped = rename(name) if rename is not None else name
+        if mapped is None or any(piece in mapped for piece in ignored):
+            return None
+        return _parameter_of(mapped, packed, shard_of)
+
+    def resolve(name: str) -> str | None:
+        placed = place(name)
+        return None if placed is None else placed[0]
+
     with ExitStack() as stack:
         tensors = list(iterate_checkpoint(path, stack))
         block = block_size_of(getattr(model, "config", None))
-        if block is not None:  # FP8 weights with block scales, read dequantised
-            tensors = dequantizing(tensors, block)
+        scales: dict[str, LazyTensor] = {}  # weight kept FP8 -> its block scales
+        if block is not None:
+            tensors, scales = _split_fp8(model, tensors, block, fp8_compute, resolve)
+        params = dict(model.named_parameters())  # (after FP8 layers replaced theirs)
         for tensor in tqdm(tensors, desc="Loading weights", disable=not show_progress):
-            if tied and tensor.name == "lm_head.weight":
+            placed = place(tensor.name)
+            if placed is None:
                 continue
-            name = rename(tensor.name) if rename is not None else tensor.name
-            if name is None or any(piece in name for piece in ignored):
-                continue
-            param_name, shard_id = _parameter_of(name, packed, shard_of)
+            param_name, shard_id = placed
             if param_name not in params:
                 raise ValueError(
                     f"checkpoint {path!r} holds {tensor.name!r} (shape {tensor.full_shape}), "
                     f"which {type(model).__name__} has no parameter for"
                 )
-            param = params[param_name]
-            if shard_id is None:
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            else:
-                param.weight_loader(param, tensor, shard_id)
+            _load(params[param_name], tensor, shard_id)
             loaded.setdefault(param_name, set()).add(shard_id)
+            if tensor.name in scales:  # an FP8 weight's block scales, sharded alike
+                _load(params[param_name + SCALE_SUFFIX], scales[tensor.name], shard_id)
+                loaded.setdefault(param_name + SCALE_SUFFIX, set()).add(shard_id)
     missing = [
         name
         for name, param in params.items()
@@ -82,6 +107,47 @@ def load_weights(
     ]
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensors for: {missing[:20]}")
+
+
+def _load(param: nn.Parameter, tensor: LazyTensor, shard_id: object) -> None:
+    if shard_id is None:
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+    else:
+        param.weight_loader(param, tensor, shard_id)
+
+
+def _split_fp8(
+    model: nn.Module,
+    tensors: list[LazyTensor],
+    block: tuple[int, int],
+    fp8_compute: bool | None,
+    resolve: Callable[[str], str | None],
+) -> tuple[list[LazyTensor], dict[str, LazyTensor]]:
+    """`split_fp8` of the checkpoint: its linear layers switched to FP8 weights where the
+    model computes in FP8, every other scaled weight dequantised; logs which path."""
+    device = next(model.parameters(), torch.empty(0)).device
+    compute = fp8_compute_supported(device, block) if fp8_compute is None else fp8_compute
+    scaled = scales_by_weight(tensors)
+    kept = make_fp8_layers(model, scaled, resolve, block) if compute else set()
+    log = logging.getLogger(__name__)
+    if compute:
+        log.info(
+            "FP8 checkpoint (%dx%d blocks): %d linear weights kept in FP8 with block scales "
+            "(FP8 compute on %s); %d others (MoE experts, matrices read directly) "
+            "dequantised",
+            *block,
+            len(kept),
+            device,
+            len(scaled) - len(kept),
+        )
+    else:
+        log.info(
+            "FP8 checkpoint (%dx%d blocks): weights dequantised to the model dtype "
+            "(no FP8 compute on %s)",
+            *block,
+            device,
+        )
+    return split_fp8(tensors, block, kept)
 
 
 def _parameter_of(
@@ -110,15 +176,19 @@ def _expected_shards(
 
 
 def load_model(
-    model_config: ModelConfig, state: ParallelState, show_progress: bool | None = None
+    model_config: ModelConfig,
+    state: ParallelState,
+    show_progress: bool | None = None,
+    fp8_compute: bool | None = None,
 ) -> nn.Module:
-    """Build the target for `model_config` with this rank's shards loaded, in eval mode."""
+    """Build the target for `model_config` with this rank's shards loaded, in eval mode.
+    `fp8_compute`: see `load_weights` (None: FP8 compute where the device has it)."""
     hf_config = model_config.hf_config
     cls = model_class_for(hf_config)
     with torch.device(state.device):
         model = cls(hf_config, state, model_config.torch_dtype)
     show = (state.rank == 0) if show_progress is None else show_progress
-    load_weights(model, model_config.path, show_progress=show)
+    load_weights(model, model_config.path, show_progress=show, fp8_compute=fp8_compute)
     return model.eval()
 
 

@@ -1,8 +1,13 @@
 """Tensor-parallel linear layers (Megatron layout).
 
 Each layer allocates only its rank's shard and owns exactly one piece of
-sharding knowledge: its `weight_loader`, which cuts the full checkpoint tensor
-for this rank. Weights are `[out_features, in_features]` as in `nn.Linear`.
+sharding knowledge: its `placement`, which says where this rank's slice of a full
+checkpoint tensor goes (its `weight_loader` copies it). Weights are
+`[out_features, in_features]` as in `nn.Linear`.
+
+FP8 checkpoints on FP8 hardware: `use_fp8_weight` makes a layer hold its weight as
+float8_e4m3fn with block scales (`cluster.parallel.fp8_weights`) and compute through
+`cluster.kernels.fp8_linear`.
 """
 
 from __future__ import annotations
@@ -10,10 +15,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cluster.kernels.fp8_linear import fp8_linear
 from cluster.kernels.packed_linear import can_pack, linear, pack_weight
 from cluster.parallel.comm import all_gather, all_reduce
+from cluster.parallel.fp8_weights import to_fp8
 from cluster.parallel.state import ParallelState
-from cluster.parallel.weights import TensorLike, copy_shard
+from cluster.parallel.weights import Shard, TensorLike, copy_placed
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -25,7 +32,8 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    """Holds the local weight `[out_local, in_local]` and optional bias; `tp_dim` is the split dim."""
+    """Holds the local weight `[out_local, in_local]` and optional bias; `tp_dim` is the
+    split dim."""
 
     tp_dim: int | None = None
 
@@ -50,6 +58,15 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None  # see `pack`
+        # False where the model reads the weight as a matrix instead of calling the layer:
+        # it then stays dequantised in an FP8 checkpoint.
+        self.fp8_allowed = True
+        self.weight_block: tuple[int, int] | None = None  # FP8 block, see `use_fp8_weight`
+
+    def use_fp8_weight(self, block: tuple[int, int]) -> None:
+        """Hold the weight as float8_e4m3fn plus a float32 `weight_scale_inv` per `block`
+        of it (FP8 checkpoints on FP8 hardware); `forward` then runs `fp8_linear`."""
+        to_fp8(self, block)
 
     def pack(self) -> None:
         """Prepack the loaded weight for this CPU's bfloat16 units, where that pays
@@ -58,16 +75,24 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[num_tokens, in_local] -> [num_tokens, out_local] on this rank's shard."""
+        if self.weight_block is not None:
+            scale = self.weight_scale_inv
+            return fp8_linear(x, self.weight, scale, bias, self.weight_block)
         return linear(x, self.weight, bias, self.packed_weight)
 
-    def weight_loader(self, param: nn.Parameter, loaded: TensorLike) -> None:
-        dim = self.tp_dim if self.tp_dim is not None and self.tp_dim < param.dim() else None
+    def placement(self, shape: tuple[int, ...], shard_id: object = None) -> Shard:
+        """Where this rank's slice of a checkpoint tensor goes in a parameter of `shape`
+        (the weight's or the bias'); `shard_id` names a part of a fused layer."""
+        dim = self.tp_dim if self.tp_dim is not None and self.tp_dim < len(shape) else None
         if dim is None:
-            copy_shard(param.data, loaded)
-        else:
-            shard = param.shape[dim]
-            full = shard * self.tp_size
-            copy_shard(param.data, loaded, dim, self.tp_rank * shard, shard, full=full)
+            return Shard()
+        shard = shape[dim]
+        return Shard(dim, 0, shard, self.tp_rank * shard, shard * self.tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: TensorLike, shard_id: object = None
+    ) -> None:
+        copy_placed(param.data, loaded, self.placement(tuple(param.shape), shard_id))
 
 
 class ReplicatedLinear(LinearBase):
@@ -124,16 +149,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(in_features, sum(output_sizes), state, bias, dtype=dtype)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: TensorLike, shard_id: int | None = None
-    ) -> None:
-        if shard_id is None:
+    def placement(self, shape: tuple[int, ...], shard_id: object = None) -> Shard:
+        if not isinstance(shard_id, int):
             raise ValueError("MergedColumnParallelLinear needs a shard_id (which output part)")
         part_local = self.output_sizes[shard_id] // self.tp_size
         offset_local = sum(self.output_sizes[:shard_id]) // self.tp_size
-        dst = param.data.narrow(0, offset_local, part_local)
         full = self.output_sizes[shard_id]
-        copy_shard(dst, loaded, 0, self.tp_rank * part_local, part_local, full=full)
+        return Shard(0, offset_local, part_local, self.tp_rank * part_local, full)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -178,9 +200,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: TensorLike, shard_id: str | None = None
-    ) -> None:
+    def placement(self, shape: tuple[int, ...], shard_id: object = None) -> Shard:
         if shard_id == "q":
             offset, size, rank = 0, self.q_size, self.tp_rank
             full = size * self.tp_size
@@ -192,7 +212,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(
                 f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
             )
-        copy_shard(param.data.narrow(0, offset, size), loaded, 0, rank * size, size, full=full)
+        return Shard(0, offset, size, rank * size, full)
 
 
 class RowParallelLinear(LinearBase):

@@ -8,6 +8,7 @@ is narrowed to (so each rank reads only its shard from disk).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -100,6 +101,28 @@ def copy_shard(
             f"parameter shape {tuple(dst.shape)}"
         )
     dst.copy_(materialize(loaded))
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Where this rank's piece of a checkpoint tensor goes: `length` rows from `start` of
+    the checkpoint's `dim` (which must be `full` long) into rows `offset:offset + length`
+    of the parameter's `dim`. `dim` None: the whole tensor, same shape."""
+
+    dim: int | None = None
+    offset: int = 0
+    length: int = 0
+    start: int = 0
+    full: int | None = None
+
+
+def copy_placed(dst: torch.Tensor, loaded: TensorLike, shard: Shard) -> None:
+    """Copy `loaded`'s piece described by `shard` into `dst` (checked as `copy_shard`)."""
+    if shard.dim is None:
+        copy_shard(dst, loaded)
+        return
+    piece = dst.narrow(shard.dim, shard.offset, shard.length)
+    copy_shard(piece, loaded, shard.dim, shard.start, shard.length, full=shard.full)
 
 
 def default_weight_loader(param: torch.Tensor, loaded: TensorLike) -> None:

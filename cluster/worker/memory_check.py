@@ -9,13 +9,10 @@ import os
 import torch
 
 from cluster.config import EngineConfig
+from cluster.kernels.fp8_linear import fp8_compute_supported
 from cluster.models.fp8 import block_size_of
 from cluster.models.memory_plan import GIB, MemoryPlan, memory_plan
 from cluster.parallel import ParallelState
-
-
-def fp8_compute_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def host_memory_bytes() -> int:
@@ -36,7 +33,8 @@ def plan_for(config: EngineConfig, state: ParallelState, budget_bytes: int) -> M
             or getattr(hf, "mtp_num_hidden_layers", None)
             or 1
         )
-    fp8 = block_size_of(hf) if fp8_compute_supported(state.device) else None
+    block = block_size_of(hf)
+    fp8 = block if block is not None and fp8_compute_supported(state.device, block) else None
     return memory_plan(
         hf,
         config.parallel.tensor_parallel_size,
