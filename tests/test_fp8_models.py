@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from cluster.config import ModelConfig, engine_config_from_args
 from cluster.kernels.fp8_linear import quantize_activations_ref
 from cluster.models.loader import load_model
+from cluster.models.moe import SparseMoeBlock
 from cluster.parallel import ParallelState
 from cluster.parallel.linear import LinearBase
 
@@ -81,13 +82,38 @@ def _fake_quantised_inputs(model, names, group):
         model.get_submodule(name).register_forward_pre_hook(hook)
 
 
+def _fake_quantised_experts(model, group):
+    """Make the MoE blocks of `model` run their (dequantised) experts as FP8 compute does:
+    each expert's input and SiLU-gated intermediate quantised per row and `group` columns,
+    then dequantised."""
+
+    def fake(x):
+        x_q, scale = quantize_activations_ref(x, group)
+        return x_q.float() * scale.repeat_interleave(group, dim=1)[:, : x.shape[1]]
+
+    def experts(x, block):
+        top_ids, top_weights = block.route(x)
+        out = torch.zeros_like(x)
+        for t, row in enumerate(x):
+            for j, e in enumerate(top_ids[t].tolist()):
+                gate, up = (fake(row[None]) @ block.w13[e].T).chunk(2, dim=-1)
+                h = fake(torch.nn.functional.silu(gate) * up)
+                out[t] += top_weights[t, j] * (h @ block.w2[e].T)[0]
+        return out
+
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.experts = lambda x, block=module: experts(x, block)
+
+
 def test_fp8_compute_keeps_linear_weights_fp8(deepseek, tmp_path):
-    """FP8 compute forced on CPU (the torch reference of the block-scaled FP8 linear) for
-    DeepSeek-V3 (MLA, MoE with shared experts): every linear layer holds its weight as
-    float8_e4m3fn and the checkpoint's scales; MoE experts, kv_b_proj (read as a matrix),
-    the router, embedding, norms and LM head keep the dequantised path. Its logits equal,
-    to 1e-4, the dequantised model's with the same activation quantisation in front of
-    those layers: every layer reads its own scales."""
+    """FP8 compute forced on CPU (the torch references of the block-scaled FP8 linear and
+    fused MoE) for DeepSeek-V3 (MLA, MoE with shared experts): every linear layer and every
+    routed expert holds its weight as float8_e4m3fn and the checkpoint's scales;
+    kv_b_proj (read as a matrix), the router, embedding, norms and LM head keep the
+    dequantised path. Its logits equal, to 1e-4, the dequantised model's with the same
+    activation quantisation in front of those layers and inside the experts: every layer
+    and expert reads its own scales."""
     path, hf = deepseek
     folder = str(tmp_path / "fp8")
     write_fp8_copy(path, folder, block=16)
@@ -105,14 +131,22 @@ def test_fp8_compute_keeps_linear_weights_fp8(deepseek, tmp_path):
         if name.endswith("gate_up_proj"):  # gate's scale blocks, then up's
             parts = [name.replace("gate_up_proj", piece) for piece in ("gate_proj", "up_proj")]
         assert torch.equal(scale, torch.cat([stored[f"{p}.weight_scale_inv"] for p in parts]))
+    for name in ("w13", "w2"):  # the routed experts of the two MoE layers
+        for layer in (1, 2):
+            prefix = f"model.layers.{layer}.mlp."
+            assert params[prefix + name].dtype == torch.float8_e4m3fn
+            want = [
+                stored[f"{prefix}experts.{e}.{p}.weight_scale_inv"]
+                for e in range(8)
+                for p in (("gate_proj", "up_proj") if name == "w13" else ("down_proj",))
+            ]
+            got = params[prefix + name + "_scale_inv"]
+            assert torch.equal(got.flatten(0, 1), torch.cat(want))
     kept = [n for n, p in params.items() if p.dtype != torch.float8_e4m3fn]
     assert all(params[n].dtype == torch.float32 for n in kept)
-    assert {n.split(".")[-1] for n in kept if "kv_b_proj" in n or ".mlp.w" in n} == {
-        "weight",
-        "w13",
-        "w2",
-    }
+    assert {n.split(".")[-1] for n in kept if "kv_b_proj" in n} == {"weight"}
     _fake_quantised_inputs(dense, layers, group=16)
+    _fake_quantised_experts(dense, group=16)
     seqs = _batch(hf.config.vocab_size, seed=4)
     with torch.no_grad():
         ours = fp8.compute_logits(prefill(fp8, torch.cat(seqs), SEQ_LENS))

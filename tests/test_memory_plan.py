@@ -12,8 +12,10 @@ import transformers
 
 from cluster.cli import main as cli_main
 from cluster.models.memory_plan import GIB, memory_plan, stage_weights
+from cluster.models.moe import SparseMoeBlock
 from cluster.models.registry import model_class_for
 from cluster.parallel import ParallelState
+from cluster.parallel.linear import LinearBase
 from tests.tiny_models import BASE, FAMILIES, VARIANTS
 
 # deepseek-ai/DeepSeek-V3's config.json (public), the fields a model reads.
@@ -93,11 +95,17 @@ def _config(fields: dict) -> transformers.PretrainedConfig:
     return transformers.AutoConfig.for_model(**fields)
 
 
-def _meta_bytes(config, tp: int, pp: int, pp_rank: int) -> int:
-    """Bytes of the parameters our model class builds on one rank, on the meta device."""
+def _meta_bytes(config, tp: int, pp: int, pp_rank: int, fp8: tuple[int, int] | None = None) -> int:
+    """Bytes of the parameters our model class builds on one rank, on the meta device
+    (`fp8`: with the layers an FP8 checkpoint keeps in FP8 switched to it)."""
     state = ParallelState(0, tp, pp_rank, pp, None, torch.device("meta"))
     with torch.device("meta"):
         model = model_class_for(config)(config, state, torch.bfloat16)
+        for module in list(model.modules()) if fp8 else []:
+            if isinstance(module, LinearBase) and module.fp8_allowed:
+                module.use_fp8_weight(fp8)
+            elif isinstance(module, SparseMoeBlock):
+                module.use_fp8_experts(fp8)
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
@@ -111,6 +119,13 @@ def test_real_configs_weight_bytes_match_meta_instantiation(fields, tp, pp):
         weights, _, _ = stage_weights(config, tp, pp, pp_rank)
         planned, built = weights.num_bytes(2, None), _meta_bytes(config, tp, pp, pp_rank)
         assert abs(planned - built) <= 0.01 * built, (pp_rank, planned / GIB, built / GIB)
+
+
+def test_deepseek_v3_fp8_weight_bytes_match_meta_instantiation():
+    config = _config(DEEPSEEK_V3)
+    weights, _, _ = stage_weights(config, 8, 1, 0)
+    planned, built = weights.num_bytes(2, (128, 128)), _meta_bytes(config, 8, 1, 0, (128, 128))
+    assert abs(planned - built) <= 0.01 * built, (planned / GIB, built / GIB)
 
 
 def _tiny_configs():

@@ -15,6 +15,23 @@ import torch
 import torch.nn.functional as F
 
 from cluster.kernels.backend import use_triton
+from cluster.kernels.fp8_format import FP8Experts
+from cluster.kernels.fp8_linear import fp8_compute_supported, fp8_linear_ref
+
+
+def _expert_mlp(
+    rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert: int, fp8: FP8Experts | None
+) -> torch.Tensor:
+    """One expert's SiLU-gated MLP over `rows` ([n, hidden] -> [n, hidden])."""
+    if fp8 is None:
+        gate, up = F.linear(rows, w13[expert]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w2[expert])
+    inter = w13.shape[1] // 2
+    gate_blocks = fp8.w13_scale.shape[1] // 2
+    w, s = w13[expert], fp8.w13_scale[expert]
+    gate = fp8_linear_ref(rows, w[:inter], s[:gate_blocks], None, fp8.block)
+    up = fp8_linear_ref(rows, w[inter:], s[gate_blocks:], None, fp8.block)
+    return fp8_linear_ref(F.silu(gate) * up, w2[expert], fp8.w2_scale[expert], None, fp8.block)
 
 
 def fused_moe_ref(
@@ -23,6 +40,7 @@ def fused_moe_ref(
     w2: torch.Tensor,  # [num_experts, hidden, inter]
     top_ids: torch.Tensor,  # [num_tokens, top_k] int64
     top_weights: torch.Tensor,  # [num_tokens, top_k]
+    fp8: FP8Experts | None = None,
 ) -> torch.Tensor:
     """[num_tokens, hidden]: each expert once, over its pairs' rows gathered contiguously
     in expert order; the pairs' outputs weighted, then summed per token."""
@@ -36,8 +54,7 @@ def fused_moe_ref(
     for expert, count in enumerate(counts):
         if count:
             end = start + count
-            gate, up = F.linear(rows[start:end], w13[expert]).chunk(2, dim=-1)
-            out[start:end] = F.linear(F.silu(gate) * up, w2[expert])
+            out[start:end] = _expert_mlp(rows[start:end], w13, w2, expert, fp8)
             start = end
     out = out * top_weights.reshape(-1)[order, None]
     by_pair = torch.empty_like(out).index_copy_(0, order, out)
@@ -50,11 +67,16 @@ def fused_moe(
     w2: torch.Tensor,
     top_ids: torch.Tensor,
     top_weights: torch.Tensor,
+    fp8: FP8Experts | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """`fused_moe_ref`'s result ([num_tokens, hidden]) from the backend's kernels."""
-    if use_triton(backend, x.device):
+    """`fused_moe_ref`'s result ([num_tokens, hidden]) from the backend's kernels (FP8
+    experts on CUDA only where the device computes in FP8)."""
+    triton = use_triton(backend, x.device)
+    if fp8 is not None and x.is_cuda:
+        triton = triton and fp8_compute_supported(x.device, fp8.block)
+    if triton:
         from cluster.kernels.fused_moe_triton import fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, top_ids, top_weights)
-    return fused_moe_ref(x, w13, w2, top_ids, top_weights)
+        return fused_moe_triton(x, w13, w2, top_ids, top_weights, fp8)
+    return fused_moe_ref(x, w13, w2, top_ids, top_weights, fp8)

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cluster.kernels.fp8_format import FP8Experts
+from cluster.kernels.fp8_linear import quantize_activations
 from cluster.kernels.moe_layout import align_by_expert
 
 BLOCK_M = 16
@@ -25,19 +27,27 @@ BLOCK_K = 64
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr,  # [num_tokens, K]
+    x_ptr,  # [num_tokens, K] (FP8: float8, quantised per row and BLOCK_K columns)
     w_ptr,  # [num_experts, 2 * N, K]
     out_ptr,  # [num_pairs, N]
     sorted_pairs_ptr,
     block_experts_ptr,
+    xs_ptr,  # FP8: [num_tokens, num_groups] activation scales
+    ws_ptr,  # FP8: [num_experts, 2 * UP_SCALE_ROW, num_groups] weight block scales
     num_pairs,
     top_k,
     N,
     K,
+    num_groups,
     stride_xm,
     stride_we,
     stride_wn,
     stride_om,
+    stride_wse,
+    stride_wsn,
+    FP8: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,  # FP8: weight rows per scale block
+    UP_SCALE_ROW: tl.constexpr,  # FP8: the up projection's first scale row
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -70,8 +80,20 @@ def _gate_up_kernel(
                 mask=w_mask,
                 other=0.0,
             )
-            acc_gate += tl.dot(a, gate)
-            acc_up += tl.dot(a, up)
+            if FP8:
+                group = k0 // BLOCK_K
+                x_scale = tl.load(xs_ptr + token * num_groups + group, mask=valid, other=0.0)
+                ws = ws_ptr + expert * stride_wse + group
+                rows = offs_n // SCALE_ROWS
+                gate_scale = tl.load(ws + rows * stride_wsn, mask=offs_n < N, other=0.0)
+                up_scale = tl.load(
+                    ws + (UP_SCALE_ROW + rows) * stride_wsn, mask=offs_n < N, other=0.0
+                )
+                acc_gate += tl.dot(a, gate) * x_scale[:, None] * gate_scale[None, :]
+                acc_up += tl.dot(a, up) * x_scale[:, None] * up_scale[None, :]
+            else:
+                acc_gate += tl.dot(a, gate)
+                acc_up += tl.dot(a, up)
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up
         tl.store(
             out_ptr + pair[:, None] * stride_om + offs_n[None, :],
@@ -82,19 +104,26 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr,  # [num_pairs, K]
+    h_ptr,  # [num_pairs, K] (FP8: float8, quantised per row and BLOCK_K columns)
     w_ptr,  # [num_experts, N, K]
     weights_ptr,  # [num_pairs]
     out_ptr,  # [num_pairs, N]
     sorted_pairs_ptr,
     block_experts_ptr,
+    hs_ptr,  # FP8: [num_pairs, num_groups] activation scales
+    ws_ptr,  # FP8: [num_experts, ceil(N / SCALE_ROWS), num_groups] weight block scales
     num_pairs,
     N,
     K,
+    num_groups,
     stride_hm,
     stride_we,
     stride_wn,
     stride_om,
+    stride_wse,
+    stride_wsn,
+    FP8: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -122,7 +151,17 @@ def _down_kernel(
                 mask=(offs_k[:, None] < K) & (offs_n[None, :] < N),
                 other=0.0,
             )
-            acc += tl.dot(a, w)
+            if FP8:
+                group = k0 // BLOCK_K
+                h_scale = tl.load(hs_ptr + row * num_groups + group, mask=valid, other=0.0)
+                w_scale = tl.load(
+                    ws_ptr + expert * stride_wse + (offs_n // SCALE_ROWS) * stride_wsn + group,
+                    mask=offs_n < N,
+                    other=0.0,
+                )
+                acc += tl.dot(a, w) * h_scale[:, None] * w_scale[None, :]
+            else:
+                acc += tl.dot(a, w)
         weight = tl.load(weights_ptr + row, mask=valid, other=0.0).to(tl.float32)
         acc = acc * weight[:, None]
         tl.store(
@@ -138,6 +177,7 @@ def fused_moe_triton(
     w2: torch.Tensor,  # [num_experts, hidden, inter]
     top_ids: torch.Tensor,  # [num_tokens, top_k]
     top_weights: torch.Tensor,  # [num_tokens, top_k]
+    fp8: FP8Experts | None = None,
 ) -> torch.Tensor:
     """[num_tokens, hidden]: `fused_moe_ref`'s result from the two grouped GEMMs."""
     if not x.is_cuda and torch.bfloat16 in (x.dtype, w13.dtype):
@@ -150,42 +190,64 @@ def fused_moe_triton(
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     layout = align_by_expert(top_ids, num_experts, BLOCK_M)
     num_blocks = layout.block_experts.numel()
+    block_k, scale_rows, dummy = BLOCK_K, 1, layout.sorted_pairs
+    x_in, x_scale, s13, s2 = x, dummy, dummy, dummy
+    if fp8 is not None:
+        scale_rows, block_k = fp8.block
+        x_in, x_scale = quantize_activations(x, block_k)
+        s13, s2 = fp8.w13_scale.float().contiguous(), fp8.w2_scale.float().contiguous()
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, BLOCK_N))](
-        x,
+        x_in,
         w13,
         h,
         layout.sorted_pairs,
         layout.block_experts,
+        x_scale,
+        s13,
         num_pairs,
         top_k,
         inter,
         hidden,
-        x.stride(0),
+        triton.cdiv(hidden, block_k),
+        x_in.stride(0),
         w13.stride(0),
         w13.stride(1),
         h.stride(0),
+        s13.stride(0),
+        s13.stride(1) if fp8 is not None else 0,
+        FP8=fp8 is not None,
+        SCALE_ROWS=scale_rows,
+        UP_SCALE_ROW=s13.shape[1] // 2 if fp8 is not None else 0,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
+        BLOCK_K=block_k,
     )
+    h_in, h_scale = (h, dummy) if fp8 is None else quantize_activations(h, block_k)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, BLOCK_N))](
-        h,
+        h_in,
         w2,
         top_weights.reshape(-1).contiguous(),
         out,
         layout.sorted_pairs,
         layout.block_experts,
+        h_scale,
+        s2,
         num_pairs,
         hidden,
         inter,
-        h.stride(0),
+        triton.cdiv(inter, block_k),
+        h_in.stride(0),
         w2.stride(0),
         w2.stride(1),
         out.stride(0),
+        s2.stride(0),
+        s2.stride(1) if fp8 is not None else 0,
+        FP8=fp8 is not None,
+        SCALE_ROWS=scale_rows,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
+        BLOCK_K=block_k,
     )
     return out.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from cluster.kernels.fp8_format import FP8Experts
 from cluster.kernels.fused_moe import fused_moe
 from cluster.parallel import ParallelState
 from cluster.parallel.comm import all_to_all
@@ -36,6 +37,7 @@ def expert_parallel_experts(
     top_ids: torch.Tensor,  # [num_tokens, top_k] global expert ids
     top_weights: torch.Tensor,  # [num_tokens, top_k]
     state: ParallelState,
+    fp8: FP8Experts | None = None,  # this rank's experts' FP8 block scales
 ) -> torch.Tensor:
     """[num_tokens, hidden]: the routed experts' output for this rank's share of the
     tokens, zeros for the others' (summed over the TP group by the caller)."""
@@ -52,7 +54,7 @@ def expert_parallel_experts(
     rows = all_to_all(x[start:end][order // top_k], send_counts, recv_counts, state)
     local_ids = all_to_all(ids[order] - owner[order] * local, send_counts, recv_counts, state)
     unit = torch.ones(rows.shape[0], 1, dtype=x.dtype, device=x.device)
-    y = fused_moe(rows, w13, w2, local_ids[:, None], unit)  # [received, hidden]
+    y = fused_moe(rows, w13, w2, local_ids[:, None], unit, fp8)  # [received, hidden]
     back = all_to_all(y, recv_counts, send_counts, state)  # [pairs] in `order`
     by_pair = torch.empty_like(back).index_copy_(0, order, back)
     by_pair = by_pair * top_weights[start:end].reshape(-1, 1)

@@ -9,9 +9,10 @@ Two ways to load them (`cluster.models.loader.load_weights` picks one and logs w
   which run the torch reference): the tensor-parallel linear layers keep `weight` as
   float8_e4m3fn plus their `weight_scale_inv` shard (`cluster.parallel.fp8_weights`) and
   multiply through `cluster.kernels.fp8_linear` (activations quantised per token and
-  block of columns). Weights that are not a linear layer's keep the dequantised path:
-  MoE experts (`w13` / `w2`), and layers whose weight the model reads as a matrix
-  (`fp8_allowed = False`, e.g. MLA's `kv_b_proj`, absorbed into queries and outputs).
+  block of columns); MoE experts keep `w13` / `w2` as float8_e4m3fn with their block
+  scales (`SparseMoeBlock.use_fp8_experts`) and run through the fused MoE kernels. Layers
+  whose weight the model reads as a matrix (`fp8_allowed = False`, e.g. MLA's
+  `kv_b_proj`, absorbed into queries and outputs) keep the dequantised path.
 - Otherwise every such weight is read dequantised (weight times its block's scale) into
   the model dtype, and the scales are not loaded as tensors of their own.
 """
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cluster.models.moe import SparseMoeBlock
 from cluster.parallel.linear import LinearBase
 from cluster.parallel.weights import LazyTensor
 
@@ -104,5 +106,8 @@ def make_fp8_layers(
             continue
         if leaf == "weight" and isinstance(module, LinearBase) and module.fp8_allowed:
             module.use_fp8_weight(block)
+            kept.add(name)
+        elif leaf in ("w13", "w2") and isinstance(module, SparseMoeBlock):
+            module.use_fp8_experts(block)
             kept.add(name)
     return kept

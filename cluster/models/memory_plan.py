@@ -7,8 +7,9 @@ The weights are counted from the config with the shapes our model classes build
 heads, the MLPs, every expert's intermediate dimension and the vocabulary; replicated
 pieces (norms, routers, MLA's latent projections, KV heads when the TP size exceeds them)
 count whole on every rank; pipeline stages hold their own layers, the first the embedding
-and the last the final norm and LM head. An FP8 checkpoint's linear weights count one
-byte each plus one float32 scale per block; everything else is in the model dtype.
+and the last the final norm and LM head. An FP8 checkpoint's linear weights and experts
+count one byte each plus one float32 scale per block (as the engine keeps them on FP8
+GPUs; MLA's `kv_b_proj` stays in the model dtype); everything else is in the model dtype.
 `tests/test_memory_plan.py` checks these counts against a meta-device instantiation of
 the model on real configurations (DeepSeek-V3, Qwen3-235B-A22B).
 
@@ -159,12 +160,9 @@ def _layer(config: Any, arch: str, index: int, tp: int) -> tuple[list[Linear], i
             other += int(q_rank)
         else:
             linears.append((heads // tp * (nope + rope), hidden, 1))
-        linears += [
-            (kv_rank + rope, hidden, 1),
-            (heads // tp * (nope + v_dim), kv_rank, 1),
-            (hidden, heads // tp * v_dim, 1),
-        ]
-        other += kv_rank
+        linears += [(kv_rank + rope, hidden, 1), (hidden, heads // tp * v_dim, 1)]
+        # kv_b_proj is read as a matrix (absorbed into queries and outputs): never FP8
+        other += kv_rank + heads // tp * (nope + v_dim) * kv_rank
         kv = kv_rank + rope  # the latent and the rope key, stored once
         if index >= int(config.first_k_dense_replace):
             experts = int(config.n_routed_experts)

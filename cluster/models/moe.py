@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.kernels.fp8_format import FP8Experts
 from cluster.kernels.fused_moe import fused_moe
 from cluster.models.expert_parallel import expert_parallel_experts
 from cluster.parallel import ParallelState, ReplicatedLinear
@@ -61,12 +62,16 @@ def _fused_moe_op(
     w2: torch.Tensor,
     top_ids: torch.Tensor,
     top_weights: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    block: list[int] | None,
 ) -> torch.Tensor:
-    return fused_moe(x, w13, w2, top_ids, top_weights)
+    fp8 = None if block is None else FP8Experts(w13_scale, w2_scale, (block[0], block[1]))
+    return fused_moe(x, w13, w2, top_ids, top_weights, fp8)
 
 
 @_fused_moe_op.register_fake
-def _(x, w13, w2, top_ids, top_weights):
+def _(x, w13, w2, top_ids, top_weights, w13_scale, w2_scale, block):
     return torch.empty_like(x)
 
 
@@ -102,38 +107,82 @@ class SparseMoeBlock(nn.Module):
         self.w2 = nn.Parameter(
             torch.empty(experts, hidden, local, dtype=dtype), requires_grad=False
         )
-        self.w13.weight_loader = self._load_w13
-        self.w2.weight_loader = self._load_w2
-        # what a checkpoint must provide (the loader checks it); other ranks' experts are
-        # skipped
-        mine = range(self.first_expert, self.first_expert + experts)
-        self.w13.checkpoint_shards = {(e, j) for e in mine for j in (0, 1)}
-        self.w2.checkpoint_shards = set(mine)
+        self.fp8_block: tuple[int, int] | None = None  # see `use_fp8_experts`
+        self._declare_shards()
 
     def _local(self, expert: int) -> int | None:
         """The expert's index in `w13` / `w2`, or None when another rank holds it."""
         index = expert - self.first_expert
         return index if 0 <= index < self.w2.shape[0] else None
 
-    def _slice_start(self, local: int) -> int:
-        return 0 if self.expert_parallel else self.state.tp_rank * local
+    def _copy_expert(
+        self, param: nn.Parameter, loaded: TensorLike, expert: int, dim: int, part: int | None
+    ) -> None:
+        """This rank's slice of one expert's checkpoint tensor (a weight or its FP8 block
+        scales: `dim` is the intermediate dimension) into the expert's place in `param`,
+        into gate's or up's half of it for w13 (`part` 0 or 1)."""
+        index = self._local(expert)
+        if index is None:
+            return
+        dst = param.data[index]
+        local = dst.shape[dim] if part is None else dst.shape[0] // 2
+        if part is not None:
+            dst = dst.narrow(0, part * local, local)
+        start = 0 if self.expert_parallel else self.state.tp_rank * local
+        full = local if self.expert_parallel else local * self.state.tp_size
+        copy_shard(dst, loaded, dim, start, local, full=full)
 
     def _load_w13(self, param: nn.Parameter, loaded: TensorLike, shard: tuple[int, int]) -> None:
-        expert, part = shard  # part 0: gate_proj, 1: up_proj
-        index = self._local(expert)
-        if index is None:
-            return
-        local = param.shape[1] // 2
-        dst = param.data[index].narrow(0, part * local, local)
-        copy_shard(dst, loaded, 0, self._slice_start(local), local, full=self.intermediate)
+        self._copy_expert(param, loaded, shard[0], 0, shard[1])  # part 0: gate, 1: up
 
     def _load_w2(self, param: nn.Parameter, loaded: TensorLike, expert: int) -> None:
-        index = self._local(expert)
-        if index is None:
+        self._copy_expert(param, loaded, expert, 1, None)
+
+    def use_fp8_experts(self, block: tuple[int, int]) -> None:
+        """Hold the experts as float8_e4m3fn with the checkpoint's block scales
+        (`w13_scale_inv`, `w2_scale_inv`; FP8 checkpoints where the device computes in
+        FP8). A rank's slice of the intermediate dimension must be whole blocks."""
+        if self.fp8_block is not None:
             return
-        local = param.shape[2]
-        dst = param.data[index]
-        copy_shard(dst, loaded, 1, self._slice_start(local), local, full=self.intermediate)
+        bn, bk = block
+        experts, two_local, hidden = self.w13.shape
+        local = two_local // 2
+        sliced = not self.expert_parallel and self.state.tp_size > 1
+        if sliced and (local % bn or local % bk):
+            raise ValueError(
+                f"moe_intermediate_size={self.intermediate} over tensor_parallel_size="
+                f"{self.state.tp_size} gives {local} rows per rank, not whole {bn}x{bk} FP8 "
+                "blocks; use a TP size whose shards are whole blocks, or expert parallelism"
+            )
+        shapes = {
+            "w13": (two_local, hidden),
+            "w2": (hidden, local),
+            "w13_scale_inv": (2 * -(-local // bn), -(-hidden // bk)),
+            "w2_scale_inv": (-(-hidden // bn), -(-local // bk)),
+        }
+        for name, shape in shapes.items():
+            dtype = torch.float32 if name.endswith("scale_inv") else torch.float8_e4m3fn
+            empty = torch.empty(experts, *shape, dtype=dtype, device=self.w13.device)
+            setattr(self, name, nn.Parameter(empty, requires_grad=False))
+        self._declare_shards()
+        self.fp8_block = block
+
+    def _declare_shards(self) -> None:
+        """Loaders, and what a checkpoint must provide (other ranks' experts are skipped)."""
+        mine = range(self.first_expert, self.first_expert + self.w2.shape[0])
+        for name in ("w13", "w13_scale_inv"):
+            if hasattr(self, name):
+                getattr(self, name).weight_loader = self._load_w13
+                getattr(self, name).checkpoint_shards = {(e, j) for e in mine for j in (0, 1)}
+        for name in ("w2", "w2_scale_inv"):
+            if hasattr(self, name):
+                getattr(self, name).weight_loader = self._load_w2
+                getattr(self, name).checkpoint_shards = set(mine)
+
+    def _fp8(self) -> FP8Experts | None:
+        if self.fp8_block is None:
+            return None
+        return FP8Experts(self.w13_scale_inv, self.w2_scale_inv, self.fp8_block)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """([num_tokens, top_k] expert ids, their weights in x's dtype)."""
@@ -146,11 +195,15 @@ class SparseMoeBlock(nn.Module):
     def experts(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the routed experts' outputs ([num_tokens, hidden])."""
         top_ids, top_weights = self.route(x)
+        fp8 = self._fp8()
         if self.expert_parallel:
-            return expert_parallel_experts(x, self.w13, self.w2, top_ids, top_weights, self.state)
+            args = (x, self.w13, self.w2, top_ids, top_weights, self.state, fp8)
+            return expert_parallel_experts(*args)
         if torch.compiler.is_compiling():
-            return torch.ops.cluster.fused_moe(x, self.w13, self.w2, top_ids, top_weights)
-        return fused_moe(x, self.w13, self.w2, top_ids, top_weights)
+            scales = (None, None, None) if fp8 is None else (*fp8[:2], list(fp8.block))
+            op = torch.ops.cluster.fused_moe
+            return op(x, self.w13, self.w2, top_ids, top_weights, *scales)
+        return fused_moe(x, self.w13, self.w2, top_ids, top_weights, fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(self.experts(x), self.state)
