@@ -16,7 +16,12 @@ import torch.nn.functional as F
 
 from cluster.kernels.backend import use_triton
 from cluster.kernels.fp8_format import FP8Experts
-from cluster.kernels.fp8_linear import fp8_compute_supported, fp8_linear_ref
+from cluster.kernels.fp8_linear import (
+    fp8_compute_supported,
+    fp8_linear_ref,
+    fp8_matmul_ref,
+    quantize_activations_ref,
+)
 
 
 def _expert_mlp(
@@ -26,12 +31,16 @@ def _expert_mlp(
     if fp8 is None:
         gate, up = F.linear(rows, w13[expert]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, w2[expert])
+    # gate and up stay float32 until SiLU(gate) * up is rounded once, as in the kernels
     inter = w13.shape[1] // 2
     gate_blocks = fp8.w13_scale.shape[1] // 2
     w, s = w13[expert], fp8.w13_scale[expert]
-    gate = fp8_linear_ref(rows, w[:inter], s[:gate_blocks], None, fp8.block)
-    up = fp8_linear_ref(rows, w[inter:], s[gate_blocks:], None, fp8.block)
-    return fp8_linear_ref(F.silu(gate) * up, w2[expert], fp8.w2_scale[expert], None, fp8.block)
+    x_q, x_scale = quantize_activations_ref(rows, fp8.block[1])
+    f32 = torch.float32
+    gate = fp8_matmul_ref(x_q, x_scale, w[:inter], s[:gate_blocks], None, fp8.block, f32)
+    up = fp8_matmul_ref(x_q, x_scale, w[inter:], s[gate_blocks:], None, fp8.block, f32)
+    hidden = (F.silu(gate) * up).to(rows.dtype)
+    return fp8_linear_ref(hidden, w2[expert], fp8.w2_scale[expert], None, fp8.block)
 
 
 def fused_moe_ref(

@@ -46,6 +46,7 @@ def _gate_up_kernel(
     stride_wse,
     stride_wsn,
     FP8: tl.constexpr,
+    IEEE: tl.constexpr,  # float32 operands: full-precision products (CUDA's default is TF32)
     SCALE_ROWS: tl.constexpr,  # FP8: weight rows per scale block
     UP_SCALE_ROW: tl.constexpr,  # FP8: the up projection's first scale row
     BLOCK_M: tl.constexpr,
@@ -91,6 +92,9 @@ def _gate_up_kernel(
                 )
                 acc_gate += tl.dot(a, gate) * x_scale[:, None] * gate_scale[None, :]
                 acc_up += tl.dot(a, up) * x_scale[:, None] * up_scale[None, :]
+            elif IEEE:
+                acc_gate += tl.dot(a, gate, input_precision="ieee")
+                acc_up += tl.dot(a, up, input_precision="ieee")
             else:
                 acc_gate += tl.dot(a, gate)
                 acc_up += tl.dot(a, up)
@@ -123,6 +127,7 @@ def _down_kernel(
     stride_wse,
     stride_wsn,
     FP8: tl.constexpr,
+    IEEE: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -160,6 +165,8 @@ def _down_kernel(
                     other=0.0,
                 )
                 acc += tl.dot(a, w) * h_scale[:, None] * w_scale[None, :]
+            elif IEEE:
+                acc += tl.dot(a, w, input_precision="ieee")
             else:
                 acc += tl.dot(a, w)
         weight = tl.load(weights_ptr + row, mask=valid, other=0.0).to(tl.float32)
@@ -217,6 +224,7 @@ def fused_moe_triton(
         s13.stride(0),
         s13.stride(1) if fp8 is not None else 0,
         FP8=fp8 is not None,
+        IEEE=x.dtype == torch.float32,
         SCALE_ROWS=scale_rows,
         UP_SCALE_ROW=s13.shape[1] // 2 if fp8 is not None else 0,
         BLOCK_M=BLOCK_M,
@@ -245,6 +253,7 @@ def fused_moe_triton(
         s2.stride(0),
         s2.stride(1) if fp8 is not None else 0,
         FP8=fp8 is not None,
+        IEEE=x.dtype == torch.float32,
         SCALE_ROWS=scale_rows,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
