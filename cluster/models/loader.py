@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import torch
@@ -31,6 +32,9 @@ from cluster.models.fp8 import (
 from cluster.models.registry import model_class_for
 from cluster.parallel import ParallelState
 from cluster.parallel.weights import LazyTensor, default_weight_loader
+
+# Checkpoint reads in flight at once on a rank.
+LOAD_THREADS = 8
 
 
 def iterate_checkpoint(path: str, stack: ExitStack) -> Iterator[LazyTensor]:
@@ -85,7 +89,8 @@ def load_weights(
         if block is not None:
             tensors, scales = _split_fp8(model, tensors, block, fp8_compute, resolve)
         params = dict(model.named_parameters())  # (after FP8 layers replaced theirs)
-        for tensor in tqdm(tensors, desc="Loading weights", disable=not show_progress):
+        jobs: list[tuple[nn.Parameter, LazyTensor, object]] = []
+        for tensor in tensors:
             placed = place(tensor.name)
             if placed is None:
                 continue
@@ -95,11 +100,18 @@ def load_weights(
                     f"checkpoint {path!r} holds {tensor.name!r} (shape {tensor.full_shape}), "
                     f"which {type(model).__name__} has no parameter for"
                 )
-            _load(params[param_name], tensor, shard_id)
+            jobs.append((params[param_name], tensor, shard_id))
             loaded.setdefault(param_name, set()).add(shard_id)
             if tensor.name in scales:  # an FP8 weight's block scales, sharded alike
-                _load(params[param_name + SCALE_SUFFIX], scales[tensor.name], shard_id)
-                loaded.setdefault(param_name + SCALE_SUFFIX, set()).add(shard_id)
+                scale_name = param_name + SCALE_SUFFIX
+                jobs.append((params[scale_name], scales[tensor.name], shard_id))
+                loaded.setdefault(scale_name, set()).add(shard_id)
+        # Each job reads its own slice and writes its own part of a parameter: threads keep
+        # several reads in flight (the files are memory-mapped; page faults wait on disk).
+        with ThreadPoolExecutor(LOAD_THREADS) as pool:
+            done = pool.map(lambda job: _load(*job), jobs)
+            for _ in tqdm(done, total=len(jobs), desc="Loading weights", disable=not show_progress):
+                pass
     missing = [
         name
         for name, param in params.items()
