@@ -177,3 +177,33 @@ def test_fp8_compute_greedy_matches_dequantised(tmp_path):
             ids.append(int(logits[-1].argmax()))
         greedy.append(ids)
     assert greedy[0] == greedy[1]
+
+
+def test_a_dequantised_slice_reads_only_its_blocks():
+    """A rank's slice of a dequantised FP8 weight (any offsets, also inside a block) equals
+    the whole dequantised weight's slice, reading only that slice of the weight."""
+    from tiny_models import quantize_fp8_blocks
+
+    from cluster.models.fp8 import dequantize_blocks, dequantize_slice
+    from cluster.parallel.weights import LazyTensor
+
+    weight, scales = quantize_fp8_blocks(torch.randn(40, 56), 16)
+    asked: list[tuple[slice, ...]] = []
+
+    def lazy(name, t):
+        def read(slices):
+            asked.append((name, slices))
+            return t[slices] if slices else t
+
+        return LazyTensor(name, tuple(t.shape), read)
+
+    full = dequantize_blocks(weight, scales, (16, 16))
+    for rows, cols in [
+        (slice(0, 40), slice(0, 56)),
+        (slice(16, 32), slice(0, 56)),
+        (slice(5, 37), slice(20, 50)),
+    ]:
+        asked.clear()
+        got = dequantize_slice(lazy("w", weight), lazy("s", scales), (rows, cols), (16, 16))
+        assert torch.equal(got, full[rows, cols])
+        assert dict(asked)["w"] == (rows, cols)  # never the whole weight

@@ -55,6 +55,31 @@ def dequantize_blocks(
     return weight.float() * scales
 
 
+def dequantize_slice(
+    weight: LazyTensor,  # [rows, cols] float8
+    scale_inv: LazyTensor,  # [ceil(rows / bn), ceil(cols / bk)] float32
+    slices: tuple[slice, ...],
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """`dequantize_blocks(weight, scale_inv)[slices]`, reading only the slice and the
+    scales of the blocks it touches (no rank materialises a whole tensor)."""
+    if len(weight.full_shape) != 2:
+        full = dequantize_blocks(weight.load(), scale_inv.load(), block)
+        return full[slices] if slices else full
+    rows, cols = slices or (slice(0, weight.full_shape[0]), slice(0, weight.full_shape[1]))
+    part, scales = weight, scale_inv
+    for dim, (piece, size) in enumerate(zip((rows, cols), block, strict=True)):
+        part = part.narrow(dim, piece.start, piece.stop - piece.start)
+        first = piece.start // size
+        scales = scales.narrow(dim, first, -(-piece.stop // size) - first)
+    values = part.load().float()
+    expanded = scales.load().float()
+    for dim, (piece, size) in enumerate(zip((rows, cols), block, strict=True)):
+        offset = piece.start % size
+        expanded = expanded.repeat_interleave(size, dim).narrow(dim, offset, values.shape[dim])
+    return values * expanded
+
+
 def scales_by_weight(tensors: list[LazyTensor]) -> dict[str, LazyTensor]:
     """Checkpoint weight name -> its `weight_scale_inv` tensor."""
     suffix = ".weight" + SCALE_SUFFIX
@@ -77,8 +102,7 @@ def split_fp8(
         if scale is not None and tensor.name not in kept:
 
             def read(slices: tuple[slice, ...], w=tensor, s=scale) -> torch.Tensor:
-                full = dequantize_blocks(w.load(), s.load(), block)
-                return full[slices] if slices else full
+                return dequantize_slice(w, s, slices, block)
 
             tensor = LazyTensor(tensor.name, tensor.full_shape, read)
         out.append(tensor)
