@@ -11,9 +11,10 @@ import torch
 import transformers
 
 from cluster.cli import main as cli_main
-from cluster.models.memory_plan import GIB, memory_plan, stage_weights
+from cluster.models.memory_plan import GIB, memory_plan
 from cluster.models.moe import SparseMoeBlock
 from cluster.models.registry import model_class_for
+from cluster.models.weight_count import stage_weights
 from cluster.parallel import ParallelState
 from cluster.parallel.linear import LinearBase
 from tests.tiny_models import BASE, FAMILIES, VARIANTS

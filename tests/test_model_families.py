@@ -174,16 +174,25 @@ def test_speculation_is_lossless(checkpoints, tmp_path, family, method):
     assert sum(o.num_draft_tokens for o in outs) > 0
 
 
-@pytest.mark.parametrize("layout", ["tensor_parallel_size", "pipeline_parallel_size"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"tensor_parallel_size": 2},
+        {"pipeline_parallel_size": 2},
+        {"tensor_parallel_size": 2, "expert_parallel_size": 2},
+    ],
+    ids=["tp2", "pp2", "tp2_ep2"],
+)
 def test_deepseek_mtp_with_parallel_ranks(checkpoints, tmp_path, layout):
-    """The MTP head on the last pipeline stage (or on every TP rank), lossless."""
+    """The MTP head on the last pipeline stage (or on every TP rank; with expert
+    parallelism its MoE layer's experts spread like the target's), lossless."""
     path, hf = checkpoints["deepseek_v3"]
     spec = {
         **write_all(str(tmp_path / "drafts"), path)["mtp_deepseek"],
         "num_speculative_tokens": 2,
     }
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    with LLM(path, speculative_config=spec, **{**ENGINE, layout: 2}) as llm:
+    with LLM(path, speculative_config=spec, **{**ENGINE, **layout}) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p) for p in PROMPTS]
     assert sum(o.outputs[0].num_draft_tokens for o in outs) > 0
