@@ -108,8 +108,14 @@ def load_weights(
                 loaded.setdefault(scale_name, set()).add(shard_id)
         # Each job reads its own slice and writes its own part of a parameter: threads keep
         # several reads in flight (the files are memory-mapped; page faults wait on disk).
+        inference = torch.is_inference_mode_enabled()  # thread-local: the threads take ours
+
+        def run(job: tuple[nn.Parameter, LazyTensor, object]) -> None:
+            with torch.inference_mode(inference):
+                _load(*job)
+
         with ThreadPoolExecutor(LOAD_THREADS) as pool:
-            done = pool.map(lambda job: _load(*job), jobs)
+            done = pool.map(run, jobs)
             for _ in tqdm(done, total=len(jobs), desc="Loading weights", disable=not show_progress):
                 pass
     missing = [
