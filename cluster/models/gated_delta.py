@@ -161,8 +161,13 @@ def gated_delta_ref(
         keep = None
     x = mixed_qkv[grid.rows] * grid.valid[..., None]  # [num_seqs, max_len, conv_dim]
     xs = torch.cat([conv0, x], dim=1)  # [num_seqs, kernel - 1 + max_len, conv_dim]
-    windows = xs.unfold(1, kernel, 1)  # [num_seqs, max_len, conv_dim, kernel]
-    conv = F.silu((windows.to(conv_weight.dtype) * conv_weight).sum(-1)).to(dtype)
+    # the causal convolution in float32, one tap at a time (no [tokens, conv_dim, kernel]
+    # product): [num_seqs, max_len, conv_dim]
+    taps, weight = xs.float(), conv_weight.float()
+    conv = taps[:, :max_len] * weight[:, 0]
+    for j in range(1, kernel):
+        conv.addcmul_(taps[:, j : j + max_len], weight[:, j])
+    conv = F.silu(conv).to(dtype)
     q, k, v = conv.split([key_dim, key_dim, heads * head_v_dim], dim=-1)
     rep = heads // num_k_heads
     q = q.reshape(num_seqs, max_len, num_k_heads, head_k_dim).repeat_interleave(rep, dim=2)
