@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.kernels.fused_moe import fused_moe_ref
+from cluster.kernels.fused_moe import fused_moe, fused_moe_ref
 from cluster.kernels.fused_moe_triton import fused_moe_triton
 from cluster.kernels.moe_layout import align_by_expert, max_slots
 from cluster.models.moe import SparseMoeBlock, experts_by_expert
@@ -43,6 +43,15 @@ def test_layout_holds_every_pair_once_in_expert_runs(num_tokens, num_experts, to
         else:  # a block holds one expert's pairs, in pair order
             assert (flat[pairs] == expert).all() and pairs.tolist() == sorted(pairs.tolist())
     assert layout.counts.tolist() == torch.bincount(flat, minlength=num_experts).tolist()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_no_rows_give_an_empty_output(backend):
+    """(An expert-parallel rank whose share of a one-token step is empty.)"""
+    x, ids = torch.zeros(0, 16), torch.zeros(0, 1, dtype=torch.int64)
+    w13, w2 = torch.randn(3, 8, 16), torch.randn(3, 16, 4)
+    out = fused_moe(x, w13, w2, ids, torch.zeros(0, 1), backend=backend)
+    assert out.shape == (0, 16)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 5, 33])

@@ -67,7 +67,7 @@ def fused_moe_ref(
             start = end
     out = out * top_weights.reshape(-1)[order, None]
     by_pair = torch.empty_like(out).index_copy_(0, order, out)
-    return by_pair.view(num_tokens, top_k, -1).sum(dim=1)
+    return by_pair.view(num_tokens, top_k, w2.shape[1]).sum(dim=1)
 
 
 def fused_moe(
@@ -81,6 +81,8 @@ def fused_moe(
 ) -> torch.Tensor:
     """`fused_moe_ref`'s result ([num_tokens, hidden]) from the backend's kernels (FP8
     experts on CUDA only where the device computes in FP8)."""
+    if top_ids.numel() == 0:  # (an expert-parallel rank that received no rows)
+        return x.new_zeros(x.shape[0], w2.shape[1])
     triton = use_triton(backend, x.device)
     if fp8 is not None and x.is_cuda:
         triton = triton and fp8_compute_supported(x.device, fp8.block)

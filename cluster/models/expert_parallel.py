@@ -59,5 +59,5 @@ def expert_parallel_experts(
     by_pair = torch.empty_like(back).index_copy_(0, order, back)
     by_pair = by_pair * top_weights[start:end].reshape(-1, 1)
     out = torch.zeros_like(x)
-    out[start:end] = by_pair.view(end - start, top_k, -1).sum(dim=1)
+    out[start:end] = by_pair.view(end - start, top_k, x.shape[1]).sum(dim=1)
     return out
