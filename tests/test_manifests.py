@@ -137,6 +137,17 @@ def test_dry_run_prints_the_plan_and_bad_files_exit_with_the_reason(capsys, tmp_
     assert plan["speculative"]["method"] == "eagle3" and plan["tensor_parallel_size"] == 2
     assert plan["llm_server"]["placement_group_strategy"] == "STRICT_PACK"
     assert plan["llm_server"]["autoscaling_config"]["max_replicas"] == 4
+    # a replica being replaced drains its streams for up to 10 minutes (Serve's 20 s
+    # default cut answers mid-stream on a redeploy), unless the manifest says otherwise
+    assert plan["llm_server"]["graceful_shutdown_timeout_s"] == 600
+    config = default_config()
+    config["applications"][0]["deployments"] = [
+        {"name": "LLMServer", "graceful_shutdown_timeout_s": 30}
+    ]
+    short = tmp_path / "short.yaml"
+    short.write_text(yaml.safe_dump(config))
+    main(["serve", "--dry-run", str(short)])
+    assert json.loads(capsys.readouterr().out)["llm_server"]["graceful_shutdown_timeout_s"] == 30
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(_edit(default_config(), (*APP, "args", "seeds"), 1)))
     with pytest.raises(SystemExit, match="invalid args"):

@@ -24,6 +24,11 @@ from cluster.serve.server import LLMServer
 
 # An engine that failed to load will not load on the 20th try (Serve's default) either.
 MAX_CONSTRUCTOR_RETRIES = 3
+# How long a replica being replaced (a redeploy, scaling down) may drain its in-flight
+# requests before Serve stops it: long enough for a long answer to finish streaming
+# (Serve's own default, 20 s, cut streams mid-answer). A manifest's `deployments:` entry
+# overrides it.
+DRAIN_TIMEOUT_S = 600.0
 
 
 def resolve_device(args: ClusterArgs) -> Literal["cpu", "cuda"]:
@@ -54,6 +59,7 @@ def llm_deployment_options(args: ClusterArgs) -> dict[str, Any]:
         "placement_group_strategy": placement.strategy,
         "max_ongoing_requests": 2 * args.scheduler.max_num_seqs,
         "max_constructor_retry_count": MAX_CONSTRUCTOR_RETRIES,
+        "graceful_shutdown_timeout_s": DRAIN_TIMEOUT_S,
     }
 
 
