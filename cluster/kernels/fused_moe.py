@@ -4,9 +4,11 @@ the down projections, each pair's output scaled by its routing weight, then summ
 token's experts.
 
 `cluster.kernels.moe_layout` lays the pairs out expert by expert for the kernels, so one
-kernel program owns `block_m` rows of a single expert. `fused_moe_ref` is the torch reference and the CPU path:
-the same sorted layout, one matmul per expert that has tokens over its contiguous rows.
-`fused_moe` picks the Triton kernels (`fused_moe_triton.py`) or the reference.
+kernel program owns `block_m` rows of a single expert. `fused_moe_ref` is the torch
+reference and the CPU path: the pairs in expert order, one product per expert that has
+any, over its contiguous rows. FP8 experts (`FP8Experts`: float8 weights with block
+scales) compute as `cluster.kernels.fp8_linear` does. `fused_moe` picks the Triton kernels
+(`fused_moe_triton.py`) or the reference.
 """
 
 from __future__ import annotations
