@@ -19,7 +19,7 @@ from tiny_models import make_tiny_chat_model
 from cluster.serve import ManifestError, build_openai_app, load_manifest
 from cluster.serve.launch import deploy
 
-LONG = {"model": "tiny", "prompt": "go on", "max_tokens": 480, "extra_body": {"ignore_eos": True}}
+LONG = {"model": "tiny", "prompt": "go on", "max_tokens": 1500, "extra_body": {"ignore_eos": True}}
 
 
 def write_manifest(folder, model_path, tp=2, **deployment):
@@ -27,10 +27,10 @@ def write_manifest(folder, model_path, tp=2, **deployment):
         "model": {"path": model_path, "id": "tiny", "device": "cpu", "dtype": "float32"},
         "parallel": {"tensor_parallel_size": tp},
         "placement": {"worker_cpus": 0.25, "threads_per_worker": 1},
-        "cache": {"num_kv_blocks": 128},
+        "cache": {"num_kv_blocks": 256},
         "scheduler": {"max_num_seqs": 8},
     }
-    args["model"]["max_model_len"] = 512
+    args["model"]["max_model_len"] = 1600
     app = {"name": "tiny", "import_path": "cluster.serve:build_app", "args": args}
     app["deployments"] = [{"name": "LLMServer", **deployment}]
     path = os.path.join(folder, f"tiny-tp{tp}.yaml")
@@ -43,7 +43,7 @@ def write_manifest(folder, model_path, tp=2, **deployment):
 def tiny(tmp_path_factory, smollm2_path):
     folder = str(tmp_path_factory.mktemp("replicas"))
     model = os.path.join(folder, "m")
-    make_tiny_chat_model(model, smollm2_path, num_hidden_layers=2)
+    make_tiny_chat_model(model, smollm2_path, num_hidden_layers=2, max_position_embeddings=2048)
     return folder, model
 
 
@@ -63,6 +63,7 @@ def app(tiny):
     )
     init_local_ray(num_cpus=2)
     _, url = deploy(manifest)
+    wait_for(lambda: asyncio.run(_both_replicas_take_a_stream(url)), 60, "both replicas routable")
     yield url
     serve.shutdown()
     ray.shutdown()
@@ -78,6 +79,22 @@ async def _open(client):
     stream = await client.completions.create(**LONG, stream=True)
     await stream.__anext__()
     return stream
+
+
+async def _both_replicas_take_a_stream(url: str) -> bool:
+    """Whether two streams opened together both start at once. Serve says "ready" before
+    HAProxy's health checks have marked every replica up; until then it sends both streams
+    to one replica, where the second waits for the first to end."""
+    client = _client(url)
+    first = await _open(client)
+    try:
+        second = await asyncio.wait_for(_open(client), timeout=5)
+    except TimeoutError:
+        return False
+    finally:
+        await first.close()
+    await second.close()
+    return True
 
 
 def _engines():
