@@ -3,6 +3,7 @@ a real 503, a killed worker fails only its replica's requests (fast) and Serve r
 that replica; failed or refused deploys leave no actors behind."""
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -211,3 +212,88 @@ def test_refused_manifest_starts_nothing(app, tiny):
         deploy(load_manifest(write_manifest(folder, model, tp=3)))
     assert engine_actor_names() == before
     assert set(serve.status().applications) == {"tiny"}
+
+
+def _scaler_placement_groups() -> int:
+    """Live placement groups of the one-rank `scaler` app (the `tiny` app's have two)."""
+    table = ray.util.placement_group_table().values()
+    return sum(pg["state"] == "CREATED" and len(pg["bundles"]) == 1 for pg in table)
+
+
+def test_autoscaling_scales_up_under_load_down_to_zero_and_back(app, tiny):
+    """An `autoscaling_config` of 0-2 replicas, scaling on the engines' sequences: 4 streams
+    kept open against a target of 2 per replica bring a second replica (its placement
+    group with it) and no request fails; idle, the app scales to zero, and the next
+    request starts a replica and is answered."""
+    folder, model = tiny
+    autoscaling = {
+        "min_replicas": 0,
+        "initial_replicas": 1,
+        "max_replicas": 2,
+        "target_ongoing_requests": 2,
+        "upscale_delay_s": 0,
+        "downscale_delay_s": 2,
+        "metrics_interval_s": 0.5,
+        "look_back_period_s": 1,
+    }
+    manifest = load_manifest(
+        write_manifest(
+            folder, model, tp=1, autoscaling_config=autoscaling, graceful_shutdown_timeout_s=1
+        )
+    )
+    manifest = dataclasses.replace(manifest, app_name="scaler", route_prefix="/scaler")
+    handle, url = deploy(manifest)
+
+    def replicas() -> int:
+        state = serve.status().applications["scaler"].deployments["LLMServer"]
+        return state.replica_states.get("RUNNING", 0)
+
+    assert replicas() == 1 and _scaler_placement_groups() == 1
+    assert handle.record_autoscaling_stats.remote().result() == {
+        "ongoing_sequences": 0.0,
+        "waiting_sequences": 0.0,
+        "kv_usage": 0.0,
+    }
+    errors: list[Exception] = []
+
+    def reported_load() -> float:
+        assert not errors, errors
+        return handle.record_autoscaling_stats.remote().result()["ongoing_sequences"]
+
+    def busy_until_scaled_up() -> None:
+        load = wait_for(reported_load, 30, "the replica to report its engine's sequences")
+        assert load <= 4
+        wait_for(lambda: replicas() == 2, 90, "a second replica under load")
+        assert _scaler_placement_groups() == 2  # its ranks came as one placement group
+
+    async def load(stop: asyncio.Event) -> None:
+        """Keep 4 streams open until the second replica is up."""
+        client = _client(url)
+
+        async def user() -> None:
+            while not stop.is_set():
+                try:
+                    stream = await client.completions.create(**LONG, stream=True)
+                    async for _ in stream:
+                        if stop.is_set():
+                            await stream.close()
+                            break
+                except Exception as e:  # any failure is the test's failure
+                    errors.append(e)
+                    return
+
+        users = [asyncio.ensure_future(user()) for _ in range(4)]
+        try:
+            await asyncio.to_thread(busy_until_scaled_up)
+        finally:
+            stop.set()
+            await asyncio.gather(*users)
+
+    asyncio.run(load(asyncio.Event()))
+    assert not errors, errors
+    wait_for(lambda: replicas() == 0, 60, "scaling down to zero")
+    wait_for(lambda: _scaler_placement_groups() == 0, 30, "the replicas' placement groups to go")
+    cold = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert cold.completions.create(model="tiny", prompt="hi", max_tokens=4).choices[0].text
+    assert replicas() == 1
+    serve.delete("scaler")

@@ -7,7 +7,10 @@ deployment, `LLMServer` (one engine per replica), which serves the OpenAI routes
 (HTTP proxy -> replica) and answers handle calls (`generate`, `stats`, ...).
 
 Each replica gets one placement-group bundle per rank (`placement_group_bundles`), its
-own CPUs merged into bundle 0, with the manifest's strategy (PACK by default).
+own CPUs merged into bundle 0, with the manifest's strategy (PACK by default). Serve
+creates and removes a replica's placement group with the replica, so scaling up or down
+adds or frees all of its ranks at once. An `autoscaling_config` scales on the engine's
+sequences and KV usage (`autoscaling.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from ray import serve
 from ray.serve import Application
 
 from cluster.serve.args import LLM_DEPLOYMENT, ClusterArgs
+from cluster.serve.autoscaling import autoscaling_options
 from cluster.serve.openai_app import make_server_class
 from cluster.serve.server import LLMServer
 
@@ -63,12 +67,23 @@ def llm_deployment_options(args: ClusterArgs) -> dict[str, Any]:
     }
 
 
+def deployment_options(args: ClusterArgs, overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """Our options for the deployment, then the manifest's (`overrides`); an
+    `autoscaling_config` gets the LLM policy and target unless it names its own."""
+    options = {**llm_deployment_options(args), **(overrides or {})}
+    if isinstance(options.get("autoscaling_config"), dict):
+        options["autoscaling_config"] = autoscaling_options(
+            options["autoscaling_config"], args.scheduler.max_num_seqs
+        )
+    return options
+
+
 def llm_app(
     args: ClusterArgs, overrides: dict[str, Any] | None = None, http: bool = True
 ) -> Application:
     """The `LLMServer` deployment with `overrides` applied to its options; with `http`,
     serving the OpenAI routes too."""
-    options = {**llm_deployment_options(args), **(overrides or {})}
+    options = deployment_options(args, overrides)
     cls = make_server_class() if http else LLMServer
     return serve.deployment(cls).options(**options).bind(args)
 

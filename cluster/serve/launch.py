@@ -121,7 +121,19 @@ def connect_ray(address: str | None = None) -> bool:
 
 
 def start_http(host: str = "127.0.0.1", port: int | None = None) -> tuple[str, int]:
-    """Start Serve with its HTTP ingress on `port` (a free one when None)."""
+    """Start Serve with its HTTP ingress on `port` (a free one when None); the (host, port)
+    it serves on. A Serve already running on this Ray keeps its ingress (Serve ignores new
+    HTTP options), so a second application deployed there is reached through it."""
+    from ray.serve.context import _get_global_client
+
+    running = _get_global_client(raise_if_no_controller_running=False)
+    if running is not None:
+        config = running.http_config
+        if port is not None and port != config.port:
+            logger.warning(
+                "Serve already serves HTTP on port %d; port %d is not used", config.port, port
+            )
+        return config.host, config.port
     port = port or free_port(host if host != "0.0.0.0" else "127.0.0.1")
     serve.start(http_options={"host": host, "port": port})
     return host, port

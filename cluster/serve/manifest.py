@@ -194,12 +194,12 @@ def validate_manifest(path: str) -> tuple[Manifest, bool]:
 
 def deployment_plan(manifest: Manifest) -> dict[str, Any]:
     """What a deploy would ask Ray for (printed by `cluster serve --dry-run`)."""
-    from cluster.serve.builder import llm_deployment_options
+    from cluster.serve.builder import deployment_options
 
     args = manifest.args
     if args.model.device == "auto":  # resolved at deploy time; shown as on a CPU cluster
         args = args.with_device("cpu")
-    options = {**llm_deployment_options(args), **manifest.deployments.get(LLM_DEPLOYMENT, {})}
+    options = deployment_options(args, manifest.deployments.get(LLM_DEPLOYMENT))
     return {
         "app": manifest.app_name,
         "route_prefix": manifest.route_prefix,

@@ -28,6 +28,7 @@ from cluster.engine.frontend import Prompt
 from cluster.outputs import CompletionOutput, Logprob, RequestOutput
 from cluster.sampling_params import SamplingParams
 from cluster.serve.args import ClusterArgs
+from cluster.serve.autoscaling import KV_USAGE, ONGOING_SEQUENCES, WAITING_SEQUENCES
 from cluster.serve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 from cluster.serve.metrics import ServerMetrics
 from cluster.serve.protocol import GenerateOutput, GenerateRequest, TokenLogprob, TopLogprob
@@ -56,6 +57,7 @@ def _replica_id() -> str:
 
 class LLMServer:
     def __init__(self, args: ClusterArgs | dict[str, Any]) -> None:
+        started = time.monotonic()
         self.args = ClusterArgs.model_validate(args)
         self.model_id = self.args.served_model_name
         config = self.args.engine_config()
@@ -68,7 +70,13 @@ class LLMServer:
             stall_timeout_s=self.args.server.stall_timeout_s,
             observer=self.metrics.observe_batch,
         )
-        logger.info("LLMServer %s: HTTP ingress %s", self.model_id, http_ingress())
+        logger.info(
+            "LLMServer %s: replica %s started in %.1f s (engine loaded, HTTP ingress %s)",
+            self.model_id,
+            _replica_id() or "-",
+            time.monotonic() - started,
+            http_ingress(),
+        )
 
     # ---- the handle API ------------------------------------------------------------------
     async def generate(
@@ -236,6 +244,16 @@ class LLMServer:
             "engine": asdict(self.engine.stats),
             **describe,
             "metrics": self.metrics.snapshot(),
+        }
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling signal, read by `autoscaling.LLMLoadPolicy`."""
+        ongoing = self.engine.num_unfinished_requests
+        stats = self.engine.stats  # as of the last step; stale once the engine is idle
+        return {
+            ONGOING_SEQUENCES: float(ongoing),
+            WAITING_SEQUENCES: float(stats.num_waiting if ongoing else 0),
+            KV_USAGE: float(stats.kv_usage if ongoing else 0.0),
         }
 
     def __del__(self) -> None:
