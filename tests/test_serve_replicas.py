@@ -23,7 +23,7 @@ from cluster.serve.launch import deploy
 LONG = {"model": "tiny", "prompt": "go on", "max_tokens": 1500, "extra_body": {"ignore_eos": True}}
 
 
-def write_manifest(folder, model_path, tp=2, **deployment):
+def write_manifest(folder, model_path, tp=2, request_router="least_loaded", **deployment):
     args = {
         "model": {"path": model_path, "id": "tiny", "device": "cpu", "dtype": "float32"},
         "parallel": {"tensor_parallel_size": tp},
@@ -32,6 +32,7 @@ def write_manifest(folder, model_path, tp=2, **deployment):
         "scheduler": {"max_num_seqs": 8},
     }
     args["model"]["max_model_len"] = 1600
+    args["server"] = {"request_router": request_router}
     app = {"name": "tiny", "import_path": "cluster.serve:build_app", "args": args}
     app["deployments"] = [{"name": "LLMServer", **deployment}]
     path = os.path.join(folder, f"tiny-tp{tp}.yaml")
@@ -238,7 +239,12 @@ def test_autoscaling_scales_up_under_load_down_to_zero_and_back(app, tiny):
     }
     manifest = load_manifest(
         write_manifest(
-            folder, model, tp=1, autoscaling_config=autoscaling, graceful_shutdown_timeout_s=1
+            folder,
+            model,
+            tp=1,
+            request_router="prefix",  # what `auto` is behind HAProxy
+            autoscaling_config=autoscaling,
+            graceful_shutdown_timeout_s=1,
         )
     )
     manifest = dataclasses.replace(manifest, app_name="scaler", route_prefix="/scaler")
@@ -297,3 +303,35 @@ def test_autoscaling_scales_up_under_load_down_to_zero_and_back(app, tiny):
     assert cold.completions.create(model="tiny", prompt="hi", max_tokens=4).choices[0].text
     assert replicas() == 1
     serve.delete("scaler")
+
+
+def test_prefix_routing_sends_a_prompt_to_the_replica_caching_its_prefix(app, tiny):
+    """Two replicas, four long system prompts, each sent twice in a row, twice over: the
+    route server names for each request the replica caching its system prompt, so each
+    prompt misses the cache once (round robin or least-connections would send the two
+    requests of a pair to both replicas and miss twice per prompt)."""
+    folder, model = tiny
+    path = write_manifest(folder, model, tp=1, request_router="prefix", num_replicas=2)
+    manifest = dataclasses.replace(load_manifest(path), app_name="prefix", route_prefix="/prefix")
+    before = _engines()
+    _, url = deploy(manifest)
+    assert "PrefixRouter" in serve.status().applications["prefix"].deployments
+    wait_for(lambda: asyncio.run(_both_replicas_take_a_stream(url)), 60, "both replicas routable")
+    engines = _engines() - before
+    assert len(engines) == 2
+
+    def hit_tokens() -> int:
+        schedulers = [ray.get_actor(f"cluster-{e}-scheduler", namespace="cluster") for e in engines]
+        return sum(ray.get(s.describe.remote())["prefix_cache_hit_tokens"] for s in schedulers)
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    systems = [" ".join(f"rule {i} of system {s}." for i in range(24)) for s in "ABCD"]
+    misses = []
+    for i in range(16):
+        hits = hit_tokens()
+        prompt = f"{systems[(i // 2) % 4]} user {i} asks"
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+        if hit_tokens() == hits:
+            misses.append(i)
+    assert misses[:4] == [0, 2, 4, 6] and len(misses) <= 5, misses
+    serve.delete("prefix")

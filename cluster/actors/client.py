@@ -140,6 +140,10 @@ class EngineClient:
     async def describe(self) -> dict[str, Any]:
         return await self.scheduler.describe.remote()
 
+    async def cached_block_hashes(self, limit: int) -> list[bytes]:
+        """Keys of the blocks in the engine's prefix cache (up to `limit`, newest last)."""
+        return await self.scheduler.cached_block_hashes.remote(limit)
+
     def _raise_if_dead(self) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine is dead: {self.error}")

@@ -127,6 +127,10 @@ class SchedulerActor:
         self.executor.check_health()
         return {"num_live_requests": len(self._live), "num_steps": self._stats.num_steps}
 
+    def cached_block_hashes(self, limit: int) -> list[bytes]:
+        """Keys of the prefix cache's blocks (up to `limit`, newest last)."""
+        return self.core.block_manager.cached_block_hashes(limit)
+
     def describe(self) -> dict[str, Any]:
         blocks = self.core.block_manager
         return {
@@ -135,6 +139,8 @@ class SchedulerActor:
             "num_kv_blocks": blocks.num_blocks,
             "num_free_kv_blocks": blocks.num_free_blocks,
             "num_live_requests": len(self._live),
+            "prefix_cache_queried_tokens": blocks.prefix_stats.num_queried_tokens,
+            "prefix_cache_hit_tokens": blocks.prefix_stats.num_hit_tokens,
         }
 
     def timings(self) -> dict[str, Any]:

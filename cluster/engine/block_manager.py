@@ -82,15 +82,23 @@ class KVBlockManager:
         if not self.enable_prefix_caching:
             return []
         blocks: list[int] = []
-        parent = b""
-        for start in range(0, len(token_ids) - self.block_size, self.block_size):
-            end = start + self.block_size
-            parent = _block_hash(parent, token_ids[start:end], token_ids[end])
-            block = self._cached.get(parent)
+        for key in prefix_block_hashes(token_ids, self.block_size):
+            block = self._cached.get(key)
             if block is None:
                 break
             blocks.append(block)
         return blocks
+
+    def cached_block_hashes(self, limit: int) -> list[BlockHash]:
+        """The keys of up to `limit` cached blocks, the most recently registered last (what
+        a replica reports to a prefix-aware router)."""
+        for _ in range(3):  # the step loop may register a block while this reads
+            try:
+                keys = list(self._cached)
+            except RuntimeError:
+                continue
+            return keys[-limit:]
+        return []
 
     def allocate_prefix(self, request_id: str, blocks: list[int]) -> None:
         """Start `request_id`'s table with the cached `blocks` (from `cached_prefix`)."""
@@ -171,6 +179,18 @@ class KVBlockManager:
         ]
         if bad or len(free) != len(self._free):
             raise AssertionError(f"KV blocks leaked or miscounted: {bad[:10]}")
+
+
+def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[BlockHash]:
+    """The keys of the blocks a prefix hit on `token_ids` could use, in order: whole
+    blocks followed by a known token (so at least one token is left to compute)."""
+    keys: list[BlockHash] = []
+    parent = b""
+    for start in range(0, len(token_ids) - block_size, block_size):
+        end = start + block_size
+        parent = _block_hash(parent, token_ids[start:end], token_ids[end])
+        keys.append(parent)
+    return keys
 
 
 def _block_hash(parent: BlockHash, block_tokens: list[int], next_token: int) -> BlockHash:

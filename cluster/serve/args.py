@@ -75,6 +75,14 @@ class ServerArgs(_Frozen):
     # --tool-call-parser): the parser that reads the model's calls out of its text.
     enable_auto_tool_choice: bool = False
     tool_call_parser: Literal["hermes"] | None = None
+    # Which replica takes an HTTP request: "prefix", the one whose prefix cache holds the
+    # longest start of its prompt (`prefix_router.py`; needs Serve's HAProxy ingress);
+    # "least_loaded", HAProxy's own choice; "auto", prefix when the engine caches
+    # prefixes and Serve runs HAProxy.
+    request_router: Literal["auto", "prefix", "least_loaded"] = "auto"
+    # "prefix": a replica holding the longest match still loses to the least-loaded one
+    # when it has more than this many requests above it.
+    prefix_max_imbalance: int = Field(default=4, ge=0)
 
     @model_validator(mode="after")
     def _auto_tools_need_a_parser(self) -> ServerArgs:

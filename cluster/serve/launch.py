@@ -25,6 +25,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -52,6 +53,8 @@ HAPROXY_FILE_VARS = {  # variable: its file in the folder (none: the folder itse
     "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
 }
 HAPROXY_DRAINING_S = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+# HAProxy hands the route server (`route_server.py`) each request's body to route on.
+HAPROXY_FORWARD_BODY = {"RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
 
 
 def haproxy_ingress_available() -> bool:
@@ -84,6 +87,7 @@ def local_ray_env() -> dict[str, str]:
     env = {
         HAPROXY_SWITCH: "1",
         **HAPROXY_DRAINING_S,
+        **HAPROXY_FORWARD_BODY,
         **{var: str(free_port()) for var in HAPROXY_PORT_VARS},
         **{
             var: os.path.join(folder, name) if name else folder
@@ -139,17 +143,47 @@ def start_http(host: str = "127.0.0.1", port: int | None = None) -> tuple[str, i
     return host, port
 
 
+def cluster_runs_haproxy() -> bool:
+    """Whether Serve on the connected Ray puts HAProxy in front of replicas: read in a
+    task there, whose environment is the cluster's (this process's may differ)."""
+
+    @ray.remote(num_cpus=0)
+    def read() -> bool:
+        from cluster.serve.server import http_ingress
+
+        return http_ingress() == "haproxy"
+
+    return ray.get(read.remote())
+
+
+@contextlib.contextmanager
+def _serve_builds_for(haproxy: bool) -> Iterator[None]:
+    """`serve.run` builds the application here and checks an ingress request router
+    against this process's HAProxy switch, read when Ray was imported; the cluster's
+    switch (`cluster_runs_haproxy`) is the one that counts."""
+    from ray.serve._private import build_app
+
+    saved = build_app.RAY_SERVE_ENABLE_HA_PROXY
+    build_app.RAY_SERVE_ENABLE_HA_PROXY = haproxy
+    try:
+        yield
+    finally:
+        build_app.RAY_SERVE_ENABLE_HA_PROXY = saved
+
+
 def deploy(manifest: Manifest, host: str | None = None, port: int | None = None) -> tuple[Any, str]:
     """Deploy and wait until RUNNING; returns the LLMServer handle and the base URL
     (OpenAI clients use `<base URL>/v1`). A failed deploy removes the application."""
+    haproxy = cluster_runs_haproxy()
     try:  # a bad manifest fails here, before Serve or any actor starts
-        app = build_openai_app(manifest.args, manifest.deployments)
+        app = build_openai_app(manifest.args, manifest.deployments, haproxy=haproxy)
     except ValueError as e:
         raise ManifestError(f"{manifest.path}: {e}") from None
     http = manifest.http_options
     host, port = start_http(host or http.get("host", "127.0.0.1"), port or http.get("port"))
     try:
-        handle = serve.run(app, name=manifest.app_name, route_prefix=manifest.route_prefix)
+        with _serve_builds_for(haproxy):
+            handle = serve.run(app, name=manifest.app_name, route_prefix=manifest.route_prefix)
     except BaseException:
         with contextlib.suppress(Exception):
             serve.delete(manifest.app_name)

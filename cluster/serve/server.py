@@ -24,13 +24,19 @@ from ray.util.placement_group import get_current_placement_group
 
 from cluster.actors.client import EngineClient
 from cluster.engine.errors import EngineDeadError
-from cluster.engine.frontend import Prompt
+from cluster.engine.frontend import FrontEnd, Prompt
 from cluster.outputs import CompletionOutput, Logprob, RequestOutput
 from cluster.sampling_params import SamplingParams
 from cluster.serve.args import ClusterArgs
 from cluster.serve.autoscaling import KV_USAGE, ONGOING_SEQUENCES, WAITING_SEQUENCES
 from cluster.serve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 from cluster.serve.metrics import ServerMetrics
+from cluster.serve.prefix_router import (
+    CACHED_BLOCKS,
+    MAX_REPORTED_BLOCKS,
+    ONGOING_REQUESTS,
+    REPORTED_AT,
+)
 from cluster.serve.protocol import GenerateOutput, GenerateRequest, TokenLogprob, TopLogprob
 
 logger = logging.getLogger("ray.serve")
@@ -43,6 +49,19 @@ def http_ingress() -> str:
     if getattr(constants, "RAY_SERVE_ENABLE_HA_PROXY", False):
         return "haproxy"  # HAProxy forwards to this replica's own HTTP server
     return "proxy"  # Serve's Python proxy, then a Ray call per request
+
+
+def request_prompt(request: GenerateRequest, frontend: FrontEnd) -> Prompt:
+    """The engine prompt of a request: its text or token ids, or its chat through the
+    model's chat template."""
+    if request.prompt is not None:
+        return request.prompt
+    if request.prompt_token_ids is not None:
+        return {"prompt_token_ids": request.prompt_token_ids}
+    turns = [m.template_dict() for m in request.messages or []]
+    return frontend.chat_prompt(
+        turns, tools=request.tools, chat_template_kwargs=request.chat_template_kwargs
+    )
 
 
 def _replica_id() -> str:
@@ -199,14 +218,7 @@ class LLMServer:
             )
 
     def _prompt(self, request: GenerateRequest) -> Prompt:
-        if request.prompt is not None:
-            return request.prompt
-        if request.prompt_token_ids is not None:
-            return {"prompt_token_ids": request.prompt_token_ids}
-        turns = [m.template_dict() for m in request.messages or []]
-        return self.engine.frontend.chat_prompt(
-            turns, tools=request.tools, chat_template_kwargs=request.chat_template_kwargs
-        )
+        return request_prompt(request, self.engine.frontend)
 
     def _record(
         self, outcome: str, last: GenerateOutput | None, start: float, first: float | None
@@ -255,6 +267,17 @@ class LLMServer:
             WAITING_SEQUENCES: float(stats.num_waiting if ongoing else 0),
             KV_USAGE: float(stats.kv_usage if ongoing else 0.0),
         }
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What the prefix-aware router reads (`prefix_router.py`), every second: the keys
+        of the engine's cached KV blocks and this replica's load."""
+        report: dict[str, Any] = {
+            ONGOING_REQUESTS: self.engine.num_unfinished_requests,
+            REPORTED_AT: time.time(),
+        }
+        if self.engine.error is None:
+            report[CACHED_BLOCKS] = await self.engine.cached_block_hashes(MAX_REPORTED_BLOCKS)
+        return report
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
