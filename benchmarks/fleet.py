@@ -1,9 +1,10 @@
 """The fleet on this machine: prefix-aware routing against Serve's own balancing, and
 autoscaling through a ramp of load, with small replicas of the default model.
 
-Workload: many users sharing a few system prompts (`--systems`, each a few hundred
-tokens), each user asking its own questions in streamed chat completions of
-`--max-tokens` tokens, one after another.
+Workload: users sharing a set of system prompts (`--systems`, each a few hundred tokens;
+each request picks one at random, seeded), each user asking its own questions in
+streamed chat completions of `--max-tokens` tokens, one after another. Each replica's
+KV cache (`--kv-gib`) holds about half of the system prompts.
 
 Phase `routing`: two replicas at a fixed concurrency; HAProxy's least-connections
 (`server.request_router: least_loaded`) against the prefix router, runs interleaved
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -74,9 +76,10 @@ def system_prompts(count: int, sentences: int) -> list[str]:
     ]
 
 
-def manifest(router: str, replicas: int | None, autoscaling: dict[str, Any] | None):
+def manifest(router: str, replicas: int | None, autoscaling: dict[str, Any] | None, kv_gib: float):
     m = load_manifest(DEFAULT_MANIFEST).with_args(
         placement={"worker_cpus": 0.9, "threads_per_worker": 1},
+        cache={"cpu_kv_cache_gib": kv_gib},
         server={"request_router": router},
     )
     options: dict[str, Any] = {"graceful_shutdown_timeout_s": 30}
@@ -121,7 +124,10 @@ async def user_loop(
             continue
         n += 1
         messages = [
-            {"role": "system", "content": systems[user % len(systems)]},
+            {
+                "role": "system",
+                "content": systems[random.Random(user * 100003 + n).randrange(len(systems))],
+            },
             {"role": "user", "content": f"User {user}, question {n}: what should I check first?"},
         ]
         record = Record(start=time.monotonic())
@@ -181,6 +187,7 @@ async def drive(url: str, app: str, users_at, duration: float, max_users: int, a
         await asyncio.sleep(1.0)
     stop.set()
     await asyncio.gather(*users)
+    await client.close()
     for name, (queried, hits) in seen.items():
         q0, h0 = before.get(name, (0, 0))
         run.prefix_queried += queried - q0
@@ -210,11 +217,13 @@ def summary(run: Run) -> dict[str, float]:
     }
 
 
-def with_app(router: str, replicas: int | None, autoscaling: dict[str, Any] | None, body) -> Any:
+def with_app(
+    router: str, replicas: int | None, autoscaling: dict[str, Any] | None, body, kv_gib: float
+) -> Any:
     """Start a local Ray, deploy, run `body(url)`, and shut everything down."""
     start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        _, url = deploy(manifest(router, replicas, autoscaling))
+        _, url = deploy(manifest(router, replicas, autoscaling, kv_gib))
         return body(url)
     finally:
         serve.shutdown()
@@ -233,7 +242,7 @@ def routing_phase(args) -> None:
                 drive(url, "cluster", lambda t: args.users, args.seconds, args.users, args)
             )
 
-        row = summary(with_app(router, 2, None, body))
+        row = summary(with_app(router, 2, None, body, args.kv_gib))
         results[router].append(row)
         print(f"{router:13s} " + "  ".join(f"{k}={v:.3g}" for k, v in row.items()), flush=True)
     print(
@@ -341,11 +350,19 @@ def main() -> None:
     parser.add_argument(
         "--phase", nargs="+", default=["routing", "ramp"], choices=["routing", "ramp"]
     )
-    parser.add_argument("--systems", type=int, default=4)
-    parser.add_argument("--system-sentences", type=int, default=30)
+    parser.add_argument("--systems", type=int, default=32, help="distinct system prompts")
+    parser.add_argument("--system-sentences", type=int, default=40, help="~12 tokens each")
+    parser.add_argument(
+        "--kv-gib",
+        type=float,
+        default=0.25,
+        help="KV cache per replica: room for about half the system prompts, so that where "
+        "a prompt goes decides whether it is cached (with room for all of them on every "
+        "replica, any router ends up hitting)",
+    )
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--users", type=int, default=8, help="routing phase: users at once")
-    parser.add_argument("--seconds", type=float, default=40.0, help="routing phase: per run")
+    parser.add_argument("--seconds", type=float, default=60.0, help="routing phase: per run")
     parser.add_argument("--max-users", type=int, default=16, help="ramp phase: the peak")
     parser.add_argument("--step-seconds", type=float, default=10.0, help="ramp phase: per step")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))

@@ -59,7 +59,7 @@ def test_an_overloaded_match_and_no_match_go_to_the_least_loaded():
     busy = [replica("a", keys, ongoing=9), replica("b", ongoing=2), replica("c", ongoing=5)]
     assert choose(router(max_imbalance=4), busy, [*SYSTEM, 1]) == ["b", "c", "a"]
     assert choose(router(max_imbalance=8), busy, [*SYSTEM, 1])[0] == "a"
-    assert choose(router(), busy, [*OTHER, 1])[0] == "b"  # nobody caches it
+    assert choose(router(), busy, [*OTHER, 1])[0] == "b"  # nobody caches it: a tie, then load
     assert choose(router(), busy)[0] == "b"  # no token ids (a body the route server could not read)
     short = SYSTEM[: BLOCK - 1]  # no whole block followed by a token: nothing to match
     assert choose(router(), busy, short)[0] == "b"
@@ -90,3 +90,17 @@ def test_the_router_keys_are_the_engines_prefix_cache_keys():
     assert reported == prefix_block_hashes([*SYSTEM, 7], BLOCK)
     assert blocks.cached_block_hashes(limit=2) == reported[-2:]
     assert len(blocks.cached_prefix([*SYSTEM, 7, 8])) == len(reported)
+
+
+def test_prompts_nobody_caches_divide_among_the_replicas():
+    """Each new prompt goes to the replica sent the fewest prompt blocks, even when that
+    replica is somewhat busier: the prompts split between the caches."""
+    r = router()
+    replicas = [replica("a"), replica("b", ongoing=3)]
+    prompts = [list(range(1000 * p, 1000 * p + 24)) for p in range(1, 9)]
+    where = {choose(r, replicas, [*p, 1])[0] for p in prompts[:2]}
+    assert where == {"a", "b"}
+    counts = {"a": 0, "b": 0}
+    for p in prompts[2:]:
+        counts[choose(r, replicas, [*p, 1])[0]] += 1
+    assert counts == {"a": 3, "b": 3}

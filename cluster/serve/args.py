@@ -82,7 +82,8 @@ class ServerArgs(_Frozen):
     request_router: Literal["auto", "prefix", "least_loaded"] = "auto"
     # "prefix": a replica holding the longest match still loses to the least-loaded one
     # when it has more than this many requests above it.
-    prefix_max_imbalance: int = Field(default=4, ge=0)
+    # A batching engine serves a few more requests at little cost, hence 8.
+    prefix_max_imbalance: int = Field(default=8, ge=0)
 
     @model_validator(mode="after")
     def _auto_tools_need_a_parser(self) -> ServerArgs:

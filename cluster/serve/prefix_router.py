@@ -8,10 +8,12 @@ many leading blocks it holds. Between reports it also remembers the blocks of th
 prompts it sent each replica, which that replica caches as it computes them.
 
 The replica with the longest match wins unless it is overloaded (more than
-`max_imbalance` requests above the least-loaded one); without a match, or without
-token ids, the least-loaded replica wins, ties at random. A replica's load is what it
-last reported plus what this router sent it since. The answer is a ranking: Serve
-takes the first replica with room and falls back down the list.
+`max_imbalance` requests above the least-loaded one). A prompt nobody caches goes to the
+replica that was sent the fewest prompt blocks, so that the prompts divide among the
+replicas' caches (if each took a share of every prompt, each cache would need room for
+all of them); a request without token ids goes to the least-loaded replica. A replica's
+load is what it last reported plus what this router sent it since. The answer is a
+ranking: Serve takes the first replica with room and falls back down the list.
 
 HTTP requests get here through `route_server.py` (HAProxy asks it where to forward each
 request, and it tokenizes the body); a handle call passes `prompt_token_ids=` itself.
@@ -40,7 +42,7 @@ MAX_REPORTED_BLOCKS = 16384  # 256 KiB of keys a report at most
 
 class PrefixCacheRouter(RequestRouter):
     def initialize_state(
-        self, block_size: int = 16, max_imbalance: int = 4, remembered_blocks: int = 4096
+        self, block_size: int = 16, max_imbalance: int = 8, remembered_blocks: int = 16384
     ) -> None:
         """`request_router_kwargs` of the manifest's deployment (set by `builder.py`)."""
         self.block_size = block_size
@@ -63,10 +65,16 @@ class PrefixCacheRouter(RequestRouter):
         loads = {r.replica_id: self._load(r) for r in candidate_replicas}
         balanced = min(loads.values()) + self.max_imbalance
 
-        def rank(replica: RunningReplica) -> tuple[int, int, float]:
+        def rank(replica: RunningReplica) -> tuple[int, int, int, int, float]:
             load = loads[replica.replica_id]
-            match = self.matched_blocks(replica, keys) if load <= balanced else 0
-            return (-match, load, random.random())
+            if load > balanced:  # overloaded: last, the least loaded first
+                return (1, 0, 0, load, random.random())
+            match = self.matched_blocks(replica, keys)
+            # No match anywhere: the replica that was sent the fewest prompts' blocks, so
+            # that the prompts divide among the replicas' caches instead of every cache
+            # holding a share of every prompt.
+            assigned = len(self._sent.get(replica.replica_id, ()))
+            return (0, -match, assigned if keys else 0, load, random.random())
 
         order = sorted(candidate_replicas, key=rank)
         self._note_sent(order[0].replica_id, keys)
