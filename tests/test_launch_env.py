@@ -12,6 +12,7 @@ from cluster.serve import launch
 ADDED = (
     launch.HAPROXY_SWITCH,
     *launch.HAPROXY_DRAINING_S,
+    *launch.HAPROXY_FORWARD_BODY,  # the route server reads each request's body
     *launch.HAPROXY_PORT_VARS,
     *launch.HAPROXY_FILE_VARS,
 )
