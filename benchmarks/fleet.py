@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import random
 import statistics
@@ -82,12 +83,13 @@ def manifest(router: str, replicas: int | None, autoscaling: dict[str, Any] | No
         cache={"cpu_kv_cache_gib": kv_gib},
         server={"request_router": router},
     )
-    options: dict[str, Any] = {"graceful_shutdown_timeout_s": 30}
+    options = {**m.deployments.get("LLMServer", {}), "graceful_shutdown_timeout_s": 30}
     if autoscaling is not None:
-        options.update(num_replicas=None, autoscaling_config=autoscaling)
+        options.pop("num_replicas", None)  # Serve refuses both
+        options["autoscaling_config"] = autoscaling
     else:
         options["num_replicas"] = replicas
-    return m.with_deployment("LLMServer", **{k: v for k, v in options.items() if v is not None})
+    return dataclasses.replace(m, deployments={"LLMServer": options})
 
 
 def prefix_counters() -> dict[str, tuple[int, int]]:
@@ -291,6 +293,7 @@ def ramp_phase(args) -> None:
         None,
         autoscaling,
         lambda url: asyncio.run(drive(url, "cluster", users_at, duration, args.max_users, args)),
+        args.kv_gib,
     )
     print(
         "| t s | users | streams in flight | replicas | finished that second | their TTFT p50 ms |"
