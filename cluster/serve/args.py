@@ -81,8 +81,8 @@ class ServerArgs(_Frozen):
     # prefixes and Serve runs HAProxy.
     request_router: Literal["auto", "prefix", "least_loaded"] = "auto"
     # "prefix": a replica holding the longest match still loses to the least-loaded one
-    # when it has more than this many requests above it.
-    # A batching engine serves a few more requests at little cost, hence 8.
+    # when it has more than this many requests above it (a batching engine serves a few
+    # more requests at little cost, hence 8).
     prefix_max_imbalance: int = Field(default=8, ge=0)
 
     @model_validator(mode="after")

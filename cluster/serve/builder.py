@@ -97,7 +97,7 @@ def deployment_options(
         options["request_router_config"] = {
             "request_router_class": ROUTER_PATH,
             "request_router_kwargs": {
-                "block_size": args.engine_config().cache.block_size,
+                "block_size": args.cache.block_size,
                 "max_imbalance": args.server.prefix_max_imbalance,
             },
             "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
