@@ -85,7 +85,7 @@ def main() -> None:
     config = ModelConfig(path=path, dtype=args.dtype)
     device = config.resolved_device
     ours = load_model(config, ParallelState.single(device), show_progress=False)
-    pack_linears(ours)  # as the engine does (bfloat16 on CPU)
+    packed = pack_linears(ours)  # as the engine does (bfloat16 on CPU)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=config.torch_dtype).to(device).eval()
     cfg = ours.config
     vocab = cfg.vocab_size
@@ -100,7 +100,8 @@ def main() -> None:
     compiled = None
     if not args.no_compile:
         # As a batch-invariant engine compiles on CPU: one graph for every token count.
-        options = CompileOptions(tuple(sorted(set(args.tokens))), autotune=False, dynamic=True)
+        sizes = tuple(sorted(set(args.tokens)))
+        options = CompileOptions(sizes, autotune=False, dynamic=True, freeze=packed == 0)
         compiled = CompiledForward(eager, options, torch.device(device), "forward")
         seconds = compiled.warm_up()
         print(f"compiled the forward (one graph for every token count) in {seconds:.1f} s")

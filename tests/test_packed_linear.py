@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.kernels.cpu_isa import cpu_has_amx
 from cluster.kernels.packed_linear import (
     can_pack,
     cpu_can_pack_bf16,
@@ -93,7 +92,6 @@ def test_the_reference_path_serves_everything_else():
 
 
 @needs_bf16_onednn
-@pytest.mark.skipif(not cpu_has_amx(), reason="the opaque op serves AMX CPUs only")
 def test_a_compiled_graph_runs_the_row_blocks_as_one_opaque_op():
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(576, 576, generator=gen).bfloat16()

@@ -17,10 +17,11 @@ two-row product, which batch invariance needs. Decode and verification steps are
 one block; a long prefill pays a few more calls.
 
 `linear_ref` (plain `F.linear`) is the reference and the path everywhere else: CUDA,
-float32, float16, CPUs without oneDNN's bfloat16 support, inputs that are not 2-D,
-autograd (training never packs), and compiled graphs (inductor, freezing the weights,
-packs them the same way itself: `cluster.models.compiled`) except on AMX CPUs, where a
-graph calls the row-blocked product as the opaque op `cluster::packed_linear`.
+float32, float16, CPUs without oneDNN's bfloat16 support, inputs that are not 2-D and
+autograd (training never packs). A compiled graph calls the packed product as the opaque
+op `cluster::packed_linear`, with the packed weight as a graph input: the graph then runs
+the rows as eager steps do, and holds no weight, so inductor can cache it on disk
+(`cluster.models.compiled`).
 """
 
 from __future__ import annotations
@@ -85,14 +86,11 @@ def linear(
     bias: torch.Tensor | None = None,  # [out]
     packed: torch.Tensor | None = None,  # pack_weight(weight), or None
 ) -> torch.Tensor:
-    """[rows, out]: `x @ weight.T + bias`, through the packed weight when there is one.
-    In a compiled graph inductor packs frozen weights itself, except on AMX CPUs, where
-    the graph calls `cluster::packed_linear` (an opaque op) for its row blocks."""
+    """[rows, out]: `x @ weight.T + bias`, through the packed weight when there is one
+    (in a compiled graph as the opaque op `cluster::packed_linear`)."""
     if packed is None or x.dim() != 2 or (torch.is_grad_enabled() and x.requires_grad):
         return linear_ref(x, weight, bias)
     if torch.compiler.is_compiling():
-        if not cpu_has_amx():
-            return linear_ref(x, weight, bias)
         return torch.ops.cluster.packed_linear(x, packed, bias, weight.shape[0])
     return packed_product(x, packed, bias)
 

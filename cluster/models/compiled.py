@@ -10,14 +10,23 @@ nothing and write no KV (`cluster.models.attention`), and every other op of a de
 works row by row, so the real rows are those of an eager forward up to the kernels'
 rounding.
 
-CPU: inductor with frozen weights (folded into the graph as constants); `max-autotune`
-lets inductor time its C++ GEMM templates against the BLAS calls per shape. CUDA: the same
+CPU, weights prepacked for oneDNN (bfloat16, `cluster.kernels.packed_linear`): the weights
+stay graph inputs, the products are the opaque op `cluster::packed_linear`, and the graph's
+wrapper is C++. Such a graph holds no weight, so inductor's on-disk caches keep it and a
+second start loads it instead of compiling (a frozen graph holds oneDNN tensors, which the
+caches cannot store: every start compiled again, ~30 s for the default model). The C++
+wrapper matters: a Python wrapper unpacks every weight input into a local of one frame,
+and with hundreds of them CPython 3.11 maps and unmaps a frame-stack chunk around each op
+called from that frame (decode ran ~40% slower). CPU, other weights (float32): inductor
+with frozen weights (folded into the graph as constants, the linear layers packed by
+inductor); `max-autotune` lets inductor time its C++ GEMM templates against the BLAS calls
+per shape. CUDA: the same
 buckets, with inductor's CUDA graphs captured around the attention op (which is tagged
 unsafe for capture: it reads the step's metadata on the host), so everything between two
 attention calls replays as one graph; outputs are copied out of the graphs' memory pool.
 Compiled artefacts go to inductor's on-disk caches (`TORCHINDUCTOR_CACHE_DIR`, which the
-engine points under its cache folder), so a second start with the same model and buckets
-reuses them.
+engine points under its cache folder), so a second start with the same model shapes and
+buckets reuses them (frozen graphs excepted, see above).
 """
 
 from __future__ import annotations
@@ -50,6 +59,10 @@ class CompileOptions:
     # One graph also compiles in a fraction of the buckets' time. A 1-token forward is
     # padded to 2 rows (dynamo specialises a dimension of size 1).
     dynamic: bool = False
+    # CPU: fold the weights into the graph (freezing). False where the module's linear
+    # weights are prepacked already: the graph then takes them as inputs, has a C++
+    # wrapper, and is cached on disk (see the module docstring).
+    freeze: bool = True
 
     @property
     def min_rows(self) -> int:
@@ -98,12 +111,16 @@ def private_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
     return copy
 
 
-def compile_kwargs(device: torch.device, autotune: bool) -> dict[str, Any]:
-    """torch.compile's arguments: CUDA graphs between the attention ops on CUDA; frozen
-    weights on CPU."""
+def compile_kwargs(device: torch.device, options: CompileOptions) -> dict[str, Any]:
+    """torch.compile's arguments: CUDA graphs between the attention ops on CUDA; on CPU,
+    frozen weights or (weights prepacked) a C++ wrapper."""
     if device.type == "cuda":
         return {"options": {"triton.cudagraphs": True, "graph_partition": True}}
-    return {"options": {"freezing": True, "max_autotune": autotune}}
+    return {"options": {**_cpu_settings(options), "max_autotune": options.autotune}}
+
+
+def _cpu_settings(options: CompileOptions) -> dict[str, bool]:
+    return {"freezing": options.freeze, "cpp_wrapper": not options.freeze}
 
 
 class CompiledForward:
@@ -123,7 +140,7 @@ class CompiledForward:
             private_copy(fn),
             fullgraph=True,
             dynamic=False,
-            **compile_kwargs(device, options.autotune),
+            **compile_kwargs(device, options),
         )
         self.ready: set[int] = set()  # buckets that compiled
         self.failed: set[int] = set()
@@ -157,13 +174,13 @@ class CompiledForward:
         return time.perf_counter() - start
 
     def _compile_config(self) -> Any:
-        """Inductor settings in force while a graph is built. CPU: freezing, which folds the
-        weights into the graph and prepacks the linear layers' for oneDNN; it must be set
-        in inductor's config while compiling (as a `torch.compile` option it does not reach
-        the weight-packing pass, and bfloat16 products then run unpacked, ~1.5x slower)."""
+        """Inductor settings in force while a graph is built. CPU: freezing or the C++
+        wrapper, set in inductor's config while compiling (as a `torch.compile` option
+        freezing does not reach the weight-packing pass, and bfloat16 products then run
+        unpacked, ~1.5x slower)."""
         if self.device.type == "cuda":
             return contextlib.nullcontext()
-        return torch._inductor.config.patch(freezing=True)
+        return torch._inductor.config.patch(_cpu_settings(self.options))
 
     def _run_bucket(self, size: int, args: tuple[torch.Tensor, ...]) -> Any:
         """The bucket's graph (compiling it the first time). If compiling or running it

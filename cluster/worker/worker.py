@@ -73,10 +73,10 @@ class Worker:
         if self.draft_method is not None and self.state.is_last_stage:
             self.draft = self.draft_method.load_draft(spec, config.model, self.model, self.state)
         # bfloat16 on CPU: every linear layer's weight prepacked for oneDNN, once, now that
-        # the last weight is in (eager steps read them; compiled graphs pack their own).
-        for module in (self.model, self.draft):
-            if module is not None:
-                pack_linears(module)
+        # the last weight is in (eager steps and compiled graphs both read them).
+        self.num_packed_weights = sum(
+            pack_linears(module) for module in (self.model, self.draft) if module is not None
+        )
         # The target layers a draft reads may live on earlier stages: every stage collects
         # the ones it runs.
         self.aux_hidden_layers: tuple[int, ...] = ()
@@ -183,15 +183,16 @@ class Worker:
         """The compile settings of this engine, or None when it runs eagerly. Compiled
         artefacts are cached on disk under the cluster cache folder unless inductor's own
         `TORCHINDUCTOR_CACHE_DIR` says otherwise. A batch-invariant engine on CPU compiles
-        one graph for every token count, with one GEMM kernel family (no autotuning; on
-        AMX CPUs the products are our own opaque op: `cluster.kernels.packed_linear`)."""
+        one graph for every token count, with one GEMM kernel family (no autotuning; the
+        products of prepacked weights are our own opaque op: `cluster.kernels.packed_linear`)."""
         if not self.config.compiles:
             return None
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), "inductor"))
         compile = self.config.compile
+        freeze = self.num_packed_weights == 0  # prepacked weights stay graph inputs
         if self.config.model.batch_invariant and self.state.device.type == "cpu":
-            return CompileOptions(compile.sizes, autotune=False, dynamic=True)
-        return CompileOptions(compile.sizes, compile.autotune)
+            return CompileOptions(compile.sizes, autotune=False, dynamic=True, freeze=freeze)
+        return CompileOptions(compile.sizes, compile.autotune, freeze=freeze)
 
     def execute_model(self, payload: bytes) -> bytes | None:
         if self.runner is None:
