@@ -36,6 +36,8 @@ def _manifest(folder, model, name, parallel, spec):
         "placement": {"worker_cpus": 0.1, "threads_per_worker": 1},
         "cache": {"num_kv_blocks": 128},
         "scheduler": {"max_num_seqs": 8},
+        # no in-place engine restarts: the killed stage must get the replica replaced
+        "server": {"max_engine_restarts": 0},
     }
     args["model"]["max_model_len"] = 512
     if spec is not None:

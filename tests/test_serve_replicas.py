@@ -1,6 +1,6 @@
 """Two TP=2 replicas of a tiny model behind the OpenAI route: both serve, back-pressure is
-a real 503, a killed worker fails only its replica's requests (fast) and Serve replaces
-that replica; failed or refused deploys leave no actors behind."""
+a real 503, a killed worker fails only its replica's requests (fast) and that replica
+restarts its engine in place; failed or refused deploys leave no actors behind."""
 
 import asyncio
 import dataclasses
@@ -99,6 +99,11 @@ async def _both_replicas_take_a_stream(url: str) -> bool:
     return True
 
 
+def _stats_by_engine(handle):
+    s = handle.stats.remote().result()
+    return {s["engine_id"]: s}
+
+
 def _engines():
     """Engine ids of the running replicas (from their scheduler actors' names)."""
     return {n.split("-")[1] for n in engine_actor_names() if n.endswith("-scheduler")}
@@ -138,7 +143,7 @@ def test_both_replicas_serve_and_backpressure_is_a_503(app):
     asyncio.run(main())
 
 
-def test_killed_worker_fails_its_replica_only_and_serve_replaces_it(app):
+def test_killed_worker_fails_its_replica_only_and_the_engine_restarts_in_place(app):
     before = _engines()
 
     async def read_all(stream):
@@ -169,15 +174,24 @@ def test_killed_worker_fails_its_replica_only_and_serve_replaces_it(app):
 
     victim = asyncio.run(main())
 
-    def replaced():
-        state = serve.status().applications["tiny"].deployments["LLMServer"]
-        running = state.status == "HEALTHY" and state.replica_states.get("RUNNING") == 2
-        return running and len(engine_actor_names()) == 6 and victim not in _engines()
+    def restarted():
+        return len(engine_actor_names()) == 6 and victim not in _engines()
 
-    wait_for(replaced, 90, "Serve to replace the broken replica")
+    wait_for(restarted, 90, "the victim's replica to restart its engine")
     assert not engine_actor_names(f"cluster-{victim}")  # its scheduler and workers are gone
     after = _engines()
     assert len(after) == 2 and len(after & before) == 1  # the survivor and a new engine
+    # The new engine runs in the victim's replica (not in a replacement): that replica
+    # counts one restart.
+    (new,) = after - before
+    handle = serve.get_deployment_handle("LLMServer", "tiny")
+    stats = {}
+    wait_for(
+        lambda: new in stats or bool(stats.update(_stats_by_engine(handle))),
+        30,
+        "the router to reach the restarted replica",
+    )
+    assert stats[new]["engine_restarts"] == 1
 
     async def both_serve():
         client = _client(app)

@@ -8,7 +8,8 @@ they are pushed and hands them to the per-request queues: no Ray call per step, 
 polling interval.
 
 If the scheduler actor or a worker dies, the pump fails every in-flight request with
-`EngineDeadError` at once, and every later request is refused with it.
+`EngineDeadError` at once, and every later request is refused with it; `on_death` hears
+of it first (the replica's `EngineSupervisor`, which starts a new engine).
 
 Calls that must outlive the request that caused them (the pump, aborts, stop-
 string finishes) are made outside that request's Ray task context (`detached`): Serve
@@ -55,6 +56,7 @@ class EngineClient:
         engine_id: str | None = None,
         stall_timeout_s: float = 60.0,
         observer: BatchObserver | None = None,
+        on_death: Callable[[str], object] | None = None,
     ) -> None:
         """Start the scheduler actor (which starts the workers) and wait until it is ready;
         a failure there raises here, with every actor it started already gone."""
@@ -63,6 +65,7 @@ class EngineClient:
         self.config = config
         self.engine_id = engine_id or uuid.uuid4().hex[:12]
         self.observer = observer
+        self.on_death = on_death
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
         self.frontend = FrontEnd(self.tokenizer, config.model)
         name = f"cluster-{self.engine_id}"
@@ -171,13 +174,26 @@ class EngineClient:
                     except Exception:  # metrics must never take the engine down
                         logger.exception("the output observer failed")
         except Exception as e:  # the engine is gone: nobody may wait forever
-            self.error = f"{type(e).__name__}: {e}"
-            self.frontend.fail_streams(EngineDeadError(f"the engine died: {self.error}"))
+            self.fail(f"{type(e).__name__}: {e}")
+
+    def fail(self, reason: str) -> None:
+        """Declare the engine dead: `on_death` is told first, then every stream in flight
+        ends with EngineDeadError (once; later calls do nothing)."""
+        if self.error is not None:
+            return
+        self.error = reason
+        if self.on_death is not None:
+            self.on_death(reason)
+        self.frontend.fail_streams(EngineDeadError(f"the engine died: {reason}"))
 
     def shutdown(self) -> None:
         if self._pump is not None:
             with contextlib.suppress(RuntimeError):  # its loop may be closed already
                 self._pump.cancel()
+        self.stop_actors()
+
+    def stop_actors(self) -> None:
+        """Stop the scheduler actor and, with it, the workers (blocks for up to ~10 s)."""
         with contextlib.suppress(Exception):
             ray.get(self.scheduler.shutdown.remote(), timeout=10)
         with contextlib.suppress(Exception):

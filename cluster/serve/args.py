@@ -71,6 +71,11 @@ class ServerArgs(_Frozen):
     # A single engine step running longer than this makes the health check fail.
     stall_timeout_s: float = Field(default=60.0, gt=0)
     health_timeout_s: float = Field(default=10.0, gt=0)
+    # A dead engine (a worker or the scheduler killed, its node gone, a stalled step) is
+    # restarted inside its replica, in the same placement group, at most this many times in
+    # 10 minutes (`engine_supervisor.py`); past that (or with 0) the health check fails and
+    # Serve replaces the whole replica.
+    max_engine_restarts: int = Field(default=3, ge=0)
     # Tool calling with tool_choice "auto" (vLLM's --enable-auto-tool-choice and
     # --tool-call-parser): the parser that reads the model's calls out of its text.
     enable_auto_tool_choice: bool = False

@@ -5,7 +5,9 @@ The replica runs in bundle 0 of the placement group Serve made for it from
 actor there, which starts one worker per bundle. When the replica goes, they go.
 
 `check_health` asks the scheduler, which pings every worker and checks that its step
-loop is alive and not stalled; a failure makes Serve replace the whole replica.
+loop is alive and not stalled. A dead engine is restarted inside the replica
+(`EngineSupervisor`); a health check that times out, or an engine past its restarts,
+makes Serve replace the whole replica.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from math import inf
 from typing import Any
@@ -29,6 +31,7 @@ from cluster.outputs import CompletionOutput, Logprob, RequestOutput
 from cluster.sampling_params import SamplingParams
 from cluster.serve.args import ClusterArgs
 from cluster.serve.autoscaling import KV_USAGE, ONGOING_SEQUENCES, WAITING_SEQUENCES
+from cluster.serve.engine_supervisor import EngineSupervisor
 from cluster.serve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 from cluster.serve.metrics import ServerMetrics
 from cluster.serve.prefix_router import (
@@ -79,16 +82,11 @@ class LLMServer:
         started = time.monotonic()
         self.args = ClusterArgs.model_validate(args)
         self.model_id = self.args.served_model_name
-        config = self.args.engine_config()
-        self.max_model_len = config.model.resolved_max_model_len
+        self.engine_config = self.args.engine_config()
+        self.max_model_len = self.engine_config.model.resolved_max_model_len
         self.metrics = ServerMetrics(self.model_id, _replica_id())
-        self.engine = EngineClient(
-            config,
-            self.args.placement_config(),
-            get_current_placement_group(),
-            stall_timeout_s=self.args.server.stall_timeout_s,
-            observer=self.metrics.observe_batch,
-        )
+        self.placement_group = get_current_placement_group()
+        self.supervisor = EngineSupervisor(self._start_engine, self.args.server.max_engine_restarts)
         logger.info(
             "LLMServer %s: replica %s started in %.1f s (engine loaded, HTTP ingress %s)",
             self.model_id,
@@ -96,6 +94,22 @@ class LLMServer:
             time.monotonic() - started,
             http_ingress(),
         )
+
+    def _start_engine(self, on_death: Callable[[str], object]) -> EngineClient:
+        """A new engine (scheduler and workers) in this replica's placement group."""
+        return EngineClient(
+            self.engine_config,
+            self.args.placement_config(),
+            self.placement_group,
+            stall_timeout_s=self.args.server.stall_timeout_s,
+            observer=self.metrics.observe_batch,
+            on_death=on_death,
+        )
+
+    @property
+    def engine(self) -> EngineClient:
+        """The engine serving now (a new one after a restart)."""
+        return self.supervisor.engine
 
     # ---- the handle API ------------------------------------------------------------------
     async def generate(
@@ -138,7 +152,7 @@ class LLMServer:
             prompt = self._prompt(request)
             # Without streaming, only the final output matters: wait for it (inf).
             interval = self._stream_interval if request.stream else inf
-            outputs = self.engine.generate(prompt, request.sampling_params, request_id, interval)
+            outputs = self._outputs(prompt, request.sampling_params, request_id, interval)
             async for out in outputs:
                 completion = out.outputs[0]
                 if first_token_at is None and completion.token_ids:
@@ -178,6 +192,25 @@ class LLMServer:
         finally:
             self._record(outcome, last, start, first_token_at)
 
+    async def _outputs(
+        self, prompt: Prompt, params: SamplingParams, request_id: str, interval: Any
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one request. A request whose engine died before it
+        produced anything goes once more to the restarted engine; one that had produced
+        something ends with the engine's death (a 503 or an error event)."""
+        for attempt in range(2):
+            engine = await self.supervisor.ready()
+            produced = False
+            try:
+                async for out in engine.generate(prompt, params, request_id, interval):
+                    produced = True
+                    yield out
+                return
+            except EngineDeadError:
+                if produced or attempt > 0 or not self.supervisor.restarting:
+                    raise
+                logger.info("request %s: its engine died before it started; sent again", request_id)
+
     def _echo(self, request: GenerateRequest, out: RequestOutput) -> str | None:
         if not request.echo:
             return None
@@ -208,8 +241,8 @@ class LLMServer:
         return self.engine.num_unfinished_requests / self.args.server.stream_chunks_per_s
 
     def _admit(self) -> None:
-        if self.engine.error is not None:
-            raise EngineUnavailableError(f"the engine is dead: {self.engine.error}")
+        if self.supervisor.dead is not None:
+            raise EngineUnavailableError(f"the engine is dead: {self.supervisor.dead}")
         limit = self.args.server.max_waiting_requests
         if limit is not None and self.engine.stats.num_waiting >= limit:
             raise OverloadedError(
@@ -236,11 +269,23 @@ class LLMServer:
 
     # ---- operations ----------------------------------------------------------------------
     async def check_health(self) -> None:
-        """Serve's periodic check: a failure makes Serve replace the replica."""
-        await self.health()
+        """Serve's periodic check: a failure makes Serve replace the replica. A dead
+        worker or a stalled step restarts the engine in place instead (while restarts
+        remain); a check that times out is left to Serve."""
+        if self.supervisor.restarting:
+            return
+        try:
+            await self.health()
+        except (TimeoutError, EngineDeadError):
+            raise
+        except Exception as e:
+            if not self.supervisor.engine_failed(f"health check: {type(e).__name__}: {e}"):
+                raise
 
     async def health(self) -> dict[str, Any]:
         """What `/health` asks: raises unless the engine answers its health check."""
+        if self.supervisor.restarting:
+            raise EngineUnavailableError("the engine is restarting")
         return await self.engine.check_health(self.args.server.health_timeout_s)
 
     async def model_card(self) -> dict[str, Any]:
@@ -251,6 +296,7 @@ class LLMServer:
         describe = await self.engine.describe()
         return {
             "engine_id": self.engine.engine_id,
+            "engine_restarts": self.supervisor.num_restarts,
             "http_ingress": http_ingress(),
             "num_unfinished_requests": self.engine.num_unfinished_requests,
             "engine": asdict(self.engine.stats),
@@ -280,9 +326,9 @@ class LLMServer:
         return report
 
     def __del__(self) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
+        supervisor = getattr(self, "supervisor", None)
+        if supervisor is not None:
+            supervisor.shutdown()
 
 
 def _token_logprobs(

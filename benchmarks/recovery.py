@@ -1,0 +1,169 @@
+"""A killed worker under load: how soon its replica serves again when the engine restarts
+in place (`server.max_engine_restarts` 3, the default) against Serve replacing the whole
+replica (`max_engine_restarts` 0); runs interleaved A B B A.
+
+Two replicas of the default model (`worker_cpus` 0.9, one thread each), `--users` users
+streaming chat completions one after another (`fleet.py`'s workload). After `--warm-up`
+seconds the worker process of one replica is killed with SIGKILL, as the OOM killer
+would (Ray is not told). Per run:
+
+- failed: requests that ended in an error (those in flight on the victim at the kill);
+- failed later: requests that started after the kill and failed (0 is the target);
+- detect s: kill -> the last of the victim's streams ended with its error;
+- serving again s: kill -> the new engine's first step (its scheduler's step count > 0);
+- survivor min steps/s: the fewest steps the other engine made in any second between
+  the kill and then (0 would mean it stopped serving too).
+
+The inductor cache is warm after the first start (the compiled graphs load from disk).
+
+    python benchmarks/recovery.py [--users 4] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import signal
+import statistics
+import time
+
+import openai
+import ray
+from fleet import DEFAULT_MANIFEST, Run, cpu_model, system_prompts, user_loop
+from ray import serve
+
+from cluster.serve import load_manifest
+from cluster.serve.launch import deploy, start_local_ray
+
+
+def manifest(max_engine_restarts: int):
+    m = load_manifest(DEFAULT_MANIFEST).with_args(
+        placement={"worker_cpus": 0.9, "threads_per_worker": 1},
+        cache={"cpu_kv_cache_gib": 0.25},
+        server={"max_engine_restarts": max_engine_restarts},
+    )
+    options = {**m.deployments.get("LLMServer", {}), "num_replicas": 2}
+    options["graceful_shutdown_timeout_s"] = 5
+    return dataclasses.replace(m, deployments={"LLMServer": options})
+
+
+def engines() -> dict[str, dict]:
+    """Live engines: id -> {"steps": steps so far or None if its health check fails,
+    "pids": its workers' process ids}."""
+    out = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if entry["namespace"] != "cluster" or not name.endswith("-scheduler"):
+            continue
+        engine = name.split("-")[1]
+        try:
+            scheduler = ray.get_actor(name, namespace="cluster")
+            pids = [w["pid"] for w in ray.get(scheduler.describe.remote(), timeout=2)["workers"]]
+        except Exception:
+            continue
+        try:
+            steps = ray.get(scheduler.health.remote(), timeout=2)["num_steps"]
+        except Exception:
+            steps = None
+        out[engine] = {"steps": steps, "pids": pids}
+    return out
+
+
+async def one_run(url: str, args) -> dict[str, float]:
+    run = Run()
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    run.model = (await client.models.list()).data[0].id
+    systems = system_prompts(8, 10)
+    stop = asyncio.Event()
+    users = [
+        asyncio.ensure_future(
+            user_loop(client, u, systems, args.max_tokens, lambda u: True, stop, run)
+        )
+        for u in range(args.users)
+    ]
+    await asyncio.sleep(args.warm_up)
+    before = await asyncio.to_thread(engines)
+    victim, survivor = sorted(before)
+    os.kill(before[victim]["pids"][0], signal.SIGKILL)
+    killed_at = time.monotonic()
+    survivor_steps: list[tuple[float, int]] = []
+    serving_again = None
+    while serving_again is None and time.monotonic() - killed_at < args.timeout:
+        now = await asyncio.to_thread(engines)
+        t = time.monotonic() - killed_at
+        if now.get(survivor, {}).get("steps") is not None:
+            survivor_steps.append((t, now[survivor]["steps"]))
+        new = [e for e in now if e not in before and (now[e]["steps"] or 0) > 0]
+        if new:
+            serving_again = t
+        await asyncio.sleep(0.25)
+    await asyncio.sleep(3)  # the new engine takes its share of the users
+    stop.set()
+    await asyncio.gather(*users)
+    await client.close()
+    failed = [r for r in run.records if r.error is not None]
+    return {
+        "failed": len(failed),
+        "failed_later": sum(r.start > killed_at for r in failed),
+        "detect_s": max((r.end - killed_at for r in failed), default=float("nan")),
+        "serving_again_s": serving_again if serving_again is not None else float("nan"),
+        "survivor_min_steps_per_s": _min_rate(survivor_steps),
+        "requests": len(run.records),
+    }
+
+
+def _min_rate(samples: list[tuple[float, int]]) -> float:
+    """The fewest steps in any 1 s window of (seconds, cumulative steps) samples."""
+    rates = []
+    for i, (t0, s0) in enumerate(samples):
+        later = [(t, s) for t, s in samples[i + 1 :] if t - t0 >= 1.0]
+        if later:
+            t1, s1 = later[0]
+            rates.append((s1 - s0) / (t1 - t0))
+    return min(rates, default=float("nan"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--users", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--warm-up", type=float, default=10.0)
+    parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--rounds", type=int, default=1, help="A B B A per round")
+    args = parser.parse_args()
+    print(f"CPU: {cpu_model()}")
+    sides = {"restart in place": 3, "Serve replaces the replica": 0}
+    results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+    order = ["restart in place", "Serve replaces the replica"]
+    for _ in range(args.rounds):
+        for side in order + order[::-1]:
+            start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            try:
+                _, url = deploy(manifest(sides[side]))
+                row = asyncio.run(one_run(url, args))
+            finally:
+                serve.shutdown()
+                ray.shutdown()
+            results[side].append(row)
+            print(f"{side}: " + "  ".join(f"{k}={v:.3g}" for k, v in row.items()), flush=True)
+    print(f"\nmedians of {2 * args.rounds} runs each, 2 replicas, {args.users} users:")
+    print("| after a killed worker | failed | failed later | detect s | serving again s |")
+    print("|---|---|---|---|---|")
+    for side, rows in results.items():
+        m = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        print(
+            f"| {side} | {m['failed']:.0f} | {m['failed_later']:.0f} | {m['detect_s']:.1f} | "
+            f"{m['serving_again_s']:.1f} |"
+        )
+    print(
+        "survivor min steps/s per run:",
+        {s: [r["survivor_min_steps_per_s"] for r in rows] for s, rows in results.items()},
+    )
+
+
+if __name__ == "__main__":
+    main()
