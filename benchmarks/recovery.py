@@ -11,8 +11,8 @@ would (Ray is not told). Per run:
 - failed later: requests that started after the kill and failed (0 is the target);
 - detect s: kill -> the last of the victim's streams ended with its error;
 - serving again s: kill -> the new engine's first step (its scheduler's step count > 0);
-- survivor min steps/s: the fewest steps the other engine made in any second between
-  the kill and then (0 would mean it stopped serving too).
+- survivor stall s: the longest time, between the kill and then, that the other engine
+  had requests and made no step (about a step's time if it never stopped).
 
 The inductor cache is warm after the first start (the compiled graphs load from disk).
 
@@ -50,8 +50,8 @@ def manifest(max_engine_restarts: int):
 
 
 def engines() -> dict[str, dict]:
-    """Live engines: id -> {"steps": steps so far or None if its health check fails,
-    "pids": its workers' process ids}."""
+    """Live engines: id -> {"steps": steps so far and "live": requests in it (both None
+    if its health check fails), "pids": its workers' process ids}."""
     out = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):
         name = entry["name"]
@@ -64,10 +64,11 @@ def engines() -> dict[str, dict]:
         except Exception:
             continue
         try:
-            steps = ray.get(scheduler.health.remote(), timeout=2)["num_steps"]
+            health = ray.get(scheduler.health.remote(), timeout=2)
+            steps, live = health["num_steps"], health["num_live_requests"]
         except Exception:
-            steps = None
-        out[engine] = {"steps": steps, "pids": pids}
+            steps = live = None
+        out[engine] = {"steps": steps, "live": live, "pids": pids}
     return out
 
 
@@ -85,16 +86,16 @@ async def one_run(url: str, args) -> dict[str, float]:
     ]
     await asyncio.sleep(args.warm_up)
     before = await asyncio.to_thread(engines)
-    victim, survivor = sorted(before)
+    victim, other = sorted(before)
     os.kill(before[victim]["pids"][0], signal.SIGKILL)
     killed_at = time.monotonic()
-    survivor_steps: list[tuple[float, int]] = []
+    survivor: list[tuple[float, int, int]] = []  # (seconds since the kill, steps, live)
     serving_again = None
     while serving_again is None and time.monotonic() - killed_at < args.timeout:
         now = await asyncio.to_thread(engines)
         t = time.monotonic() - killed_at
-        if now.get(survivor, {}).get("steps") is not None:
-            survivor_steps.append((t, now[survivor]["steps"]))
+        if now.get(other, {}).get("steps") is not None:
+            survivor.append((t, now[other]["steps"], now[other]["live"]))
         new = [e for e in now if e not in before and (now[e]["steps"] or 0) > 0]
         if new:
             serving_again = t
@@ -109,20 +110,21 @@ async def one_run(url: str, args) -> dict[str, float]:
         "failed_later": sum(r.start > killed_at for r in failed),
         "detect_s": max((r.end - killed_at for r in failed), default=float("nan")),
         "serving_again_s": serving_again if serving_again is not None else float("nan"),
-        "survivor_min_steps_per_s": _min_rate(survivor_steps),
+        "survivor_stall_s": _longest_stall(survivor),
         "requests": len(run.records),
     }
 
 
-def _min_rate(samples: list[tuple[float, int]]) -> float:
-    """The fewest steps in any 1 s window of (seconds, cumulative steps) samples."""
-    rates = []
-    for i, (t0, s0) in enumerate(samples):
-        later = [(t, s) for t, s in samples[i + 1 :] if t - t0 >= 1.0]
-        if later:
-            t1, s1 = later[0]
-            rates.append((s1 - s0) / (t1 - t0))
-    return min(rates, default=float("nan"))
+def _longest_stall(samples: list[tuple[float, int, int]]) -> float:
+    """The longest span of (seconds, cumulative steps, live requests) samples over which
+    the engine had requests and its step count did not move."""
+    longest, since = 0.0, None
+    for t, steps, live in samples:
+        if since is not None and steps == since[1] and live > 0:
+            longest = max(longest, t - since[0])
+        else:
+            since = (t, steps)
+    return longest
 
 
 def main() -> None:
@@ -151,18 +153,17 @@ def main() -> None:
             results[side].append(row)
             print(f"{side}: " + "  ".join(f"{k}={v:.3g}" for k, v in row.items()), flush=True)
     print(f"\nmedians of {2 * args.rounds} runs each, 2 replicas, {args.users} users:")
-    print("| after a killed worker | failed | failed later | detect s | serving again s |")
-    print("|---|---|---|---|---|")
+    print(
+        "| after a killed worker | requests | failed | failed later | detect s "
+        "| serving again s | survivor stall s |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for side, rows in results.items():
         m = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         print(
-            f"| {side} | {m['failed']:.0f} | {m['failed_later']:.0f} | {m['detect_s']:.1f} | "
-            f"{m['serving_again_s']:.1f} |"
+            f"| {side} | {m['requests']:.0f} | {m['failed']:.0f} | {m['failed_later']:.0f} | "
+            f"{m['detect_s']:.1f} | {m['serving_again_s']:.1f} | {m['survivor_stall_s']:.1f} |"
         )
-    print(
-        "survivor min steps/s per run:",
-        {s: [r["survivor_min_steps_per_s"] for r in rows] for s, rows in results.items()},
-    )
 
 
 if __name__ == "__main__":

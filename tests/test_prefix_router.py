@@ -11,6 +11,7 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from cluster.engine.block_manager import KVBlockManager, prefix_block_hashes
 from cluster.serve.prefix_router import (
     CACHED_BLOCKS,
+    ENGINE_UNAVAILABLE,
     ONGOING_REQUESTS,
     PROMPT_TOKEN_IDS,
     REPORTED_AT,
@@ -63,6 +64,21 @@ def test_an_overloaded_match_and_no_match_go_to_the_least_loaded():
     assert choose(router(), busy)[0] == "b"  # no token ids (a body the route server could not read)
     short = SYSTEM[: BLOCK - 1]  # no whole block followed by a token: nothing to match
     assert choose(router(), busy, short)[0] == "b"
+
+
+def test_a_replica_restarting_its_engine_comes_last_and_its_sent_blocks_are_forgotten():
+    keys = prefix_block_hashes(SYSTEM, BLOCK)
+    r = router()
+    replicas = [replica("a"), replica("b", ongoing=20)]
+    assert choose(r, replicas, [*SYSTEM, 1])[0] == "a"  # "a" is sent the prompt's blocks
+    replicas[0].routing_stats[ENGINE_UNAVAILABLE] = True
+    replicas[0].routing_stats[CACHED_BLOCKS] = list(keys)  # a stale report counts for nothing
+    assert choose(r, replicas, [*SYSTEM, 2]) == ["b", "a"]  # even overloaded, "b" is first
+    replicas[0].routing_stats[ENGINE_UNAVAILABLE] = False
+    replicas[0].routing_stats[CACHED_BLOCKS] = []  # restarted: an empty cache
+    replicas[1].routing_stats[CACHED_BLOCKS] = list(keys)
+    replicas[1].routing_stats[ONGOING_REQUESTS] = 0
+    assert choose(r, replicas, [*SYSTEM, 3])[0] == "b"  # nothing remembered for "a"
 
 
 def test_what_it_sent_counts_until_the_replicas_report():

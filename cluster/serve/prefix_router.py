@@ -8,7 +8,9 @@ many leading blocks it holds. Between reports it also remembers the blocks of th
 prompts it sent each replica, which that replica caches as it computes them.
 
 The replica with the longest match wins unless it is overloaded (more than
-`max_imbalance` requests above the least-loaded one). A prompt nobody caches goes to the
+`max_imbalance` requests above the least-loaded one); a replica whose engine is
+restarting or dead (`ENGINE_UNAVAILABLE`) comes last, and what it was sent is forgotten
+(its new engine's cache starts empty). A prompt nobody caches goes to the
 replica that was sent the fewest prompt blocks, so that the prompts divide among the
 replicas' caches (if each took a share of every prompt, each cache would need room for
 all of them); a request without token ids goes to the least-loaded replica. A replica's
@@ -37,6 +39,7 @@ PROMPT_TOKEN_IDS = "prompt_token_ids"  # the `choose_replica` keyword with the p
 CACHED_BLOCKS = "prefix_block_hashes"  # its prefix cache's keys, newest last
 ONGOING_REQUESTS = "ongoing_requests"
 REPORTED_AT = "reported_at"  # time.time() when it reported
+ENGINE_UNAVAILABLE = "engine_unavailable"  # True while its engine restarts or is dead
 MAX_REPORTED_BLOCKS = 16384  # 256 KiB of keys a report at most
 
 
@@ -67,7 +70,10 @@ class PrefixCacheRouter(RequestRouter):
 
         def rank(replica: RunningReplica) -> tuple[int, int, int, int, float]:
             load = loads[replica.replica_id]
-            if load > balanced:  # overloaded: last, the least loaded first
+            if replica.routing_stats.get(ENGINE_UNAVAILABLE):  # last of all
+                self._sent.pop(replica.replica_id, None)
+                return (2, 0, 0, load, random.random())
+            if load > balanced:  # overloaded: after the others, the least loaded first
                 return (1, 0, 0, load, random.random())
             match = self.matched_blocks(replica, keys)
             # No match anywhere: the replica that was sent the fewest prompts' blocks, so

@@ -36,6 +36,7 @@ from cluster.serve.errors import EngineUnavailableError, InvalidRequestError, Ov
 from cluster.serve.metrics import ServerMetrics
 from cluster.serve.prefix_router import (
     CACHED_BLOCKS,
+    ENGINE_UNAVAILABLE,
     MAX_REPORTED_BLOCKS,
     ONGOING_REQUESTS,
     REPORTED_AT,
@@ -320,6 +321,7 @@ class LLMServer:
         report: dict[str, Any] = {
             ONGOING_REQUESTS: self.engine.num_unfinished_requests,
             REPORTED_AT: time.time(),
+            ENGINE_UNAVAILABLE: self.engine.error is not None,  # restarting, or dead
         }
         if self.engine.error is None:
             report[CACHED_BLOCKS] = await self.engine.cached_block_hashes(MAX_REPORTED_BLOCKS)
