@@ -9,6 +9,7 @@ would (Ray is not told). Per run:
 
 - failed: requests that ended in an error (those in flight on the victim at the kill);
 - failed later: requests that started after the kill and failed (0 is the target);
+- hung: failed requests that had no answer within the client's 60 s timeout;
 - detect s: kill -> the last of the victim's streams ended with its error;
 - serving again s: kill -> the new engine's first step (its scheduler's step count > 0);
 - survivor stall s: the longest time, between the kill and then, that the other engine
@@ -74,7 +75,8 @@ def engines() -> dict[str, dict]:
 
 async def one_run(url: str, args) -> dict[str, float]:
     run = Run()
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    # A request hung longer than a minute counts as failed (and as hung).
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     run.model = (await client.models.list()).data[0].id
     systems = system_prompts(8, 10)
     stop = asyncio.Event()
@@ -108,6 +110,7 @@ async def one_run(url: str, args) -> dict[str, float]:
     return {
         "failed": len(failed),
         "failed_later": sum(r.start > killed_at for r in failed),
+        "hung": sum("Timeout" in (r.error or "") for r in failed),
         "detect_s": max((r.end - killed_at for r in failed), default=float("nan")),
         "serving_again_s": serving_again if serving_again is not None else float("nan"),
         "survivor_stall_s": _longest_stall(survivor),
@@ -154,14 +157,15 @@ def main() -> None:
             print(f"{side}: " + "  ".join(f"{k}={v:.3g}" for k, v in row.items()), flush=True)
     print(f"\nmedians of {2 * args.rounds} runs each, 2 replicas, {args.users} users:")
     print(
-        "| after a killed worker | requests | failed | failed later | detect s "
+        "| after a killed worker | requests | failed | failed later | hung | detect s "
         "| serving again s | survivor stall s |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for side, rows in results.items():
         m = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         print(
             f"| {side} | {m['requests']:.0f} | {m['failed']:.0f} | {m['failed_later']:.0f} | "
+            f"{m['hung']:.0f} | "
             f"{m['detect_s']:.1f} | {m['serving_again_s']:.1f} | {m['survivor_stall_s']:.1f} |"
         )
 

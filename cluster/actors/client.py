@@ -57,16 +57,18 @@ class EngineClient:
         stall_timeout_s: float = 60.0,
         observer: BatchObserver | None = None,
         on_death: Callable[[str], object] | None = None,
+        tokenizer: Any = None,
     ) -> None:
         """Start the scheduler actor (which starts the workers) and wait until it is ready;
-        a failure there raises here, with every actor it started already gone."""
+        a failure there raises here, with every actor it started already gone. The model's
+        tokenizer is loaded unless `tokenizer` is given (a restarted engine's replica has it)."""
         from transformers import AutoTokenizer
 
         self.config = config
         self.engine_id = engine_id or uuid.uuid4().hex[:12]
         self.observer = observer
         self.on_death = on_death
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model.tokenizer_path)
         self.frontend = FrontEnd(self.tokenizer, config.model)
         name = f"cluster-{self.engine_id}"
         options: dict[str, Any] = {

@@ -105,13 +105,17 @@ class EngineSupervisor:
             RESTART_WINDOW_S,
         )
         dead.fail(reason)  # its streams end now, whatever noticed the failure
-        await asyncio.to_thread(dead.stop_actors)
+        # The new engine starts while the dead one stops: its workers take their bundles'
+        # CPUs (or GPUs) as the dead engine's ranks give them back.
+        stopped = asyncio.ensure_future(asyncio.to_thread(dead.stop_actors))
         try:
             self.engine = await asyncio.to_thread(self._start, self.engine_failed)
         except Exception as e:
+            await stopped
             self._failure = f"{reason}; its restart failed: {type(e).__name__}: {e}"
             logger.exception("engine restart failed")
             return
+        await stopped
         self.num_restarts += 1
         logger.warning(
             "engine %s replaced the dead %s in %.1f s",

@@ -97,7 +97,9 @@ class LLMServer:
         )
 
     def _start_engine(self, on_death: Callable[[str], object]) -> EngineClient:
-        """A new engine (scheduler and workers) in this replica's placement group."""
+        """A new engine (scheduler and workers) in this replica's placement group, with
+        the first engine's tokenizer."""
+        previous = getattr(self, "supervisor", None)
         return EngineClient(
             self.engine_config,
             self.args.placement_config(),
@@ -105,6 +107,7 @@ class LLMServer:
             stall_timeout_s=self.args.server.stall_timeout_s,
             observer=self.metrics.observe_batch,
             on_death=on_death,
+            tokenizer=previous.engine.tokenizer if previous is not None else None,
         )
 
     @property
