@@ -11,7 +11,9 @@ would (Ray is not told). Per run:
 - failed later: requests that started after the kill and failed (0 is the target);
 - hung: failed requests that had no answer within the client's 60 s timeout;
 - detect s: kill -> the last of the victim's streams ended with its error;
-- serving again s: kill -> the new engine's first step (its scheduler's step count > 0);
+- ready again s: kill -> the new engine's first passing health check (its scheduler and
+  every worker answer: the replica serves again; with the prefix router it may get no
+  traffic until a prompt's cache or the load sends some);
 - survivor stall s: the longest time, between the kill and then, that the other engine
   had requests and made no step (about a step's time if it never stopped).
 
@@ -92,15 +94,14 @@ async def one_run(url: str, args) -> dict[str, float]:
     os.kill(before[victim]["pids"][0], signal.SIGKILL)
     killed_at = time.monotonic()
     survivor: list[tuple[float, int, int]] = []  # (seconds since the kill, steps, live)
-    serving_again = None
-    while serving_again is None and time.monotonic() - killed_at < args.timeout:
+    ready_again = None
+    while ready_again is None and time.monotonic() - killed_at < args.timeout:
         now = await asyncio.to_thread(engines)
         t = time.monotonic() - killed_at
         if now.get(other, {}).get("steps") is not None:
             survivor.append((t, now[other]["steps"], now[other]["live"]))
-        new = [e for e in now if e not in before and (now[e]["steps"] or 0) > 0]
-        if new:
-            serving_again = t
+        if any(e not in before and now[e]["steps"] is not None for e in now):
+            ready_again = t
         await asyncio.sleep(0.25)
     await asyncio.sleep(3)  # the new engine takes its share of the users
     stop.set()
@@ -112,7 +113,7 @@ async def one_run(url: str, args) -> dict[str, float]:
         "failed_later": sum(r.start > killed_at for r in failed),
         "hung": sum("Timeout" in (r.error or "") for r in failed),
         "detect_s": max((r.end - killed_at for r in failed), default=float("nan")),
-        "serving_again_s": serving_again if serving_again is not None else float("nan"),
+        "ready_again_s": ready_again if ready_again is not None else float("nan"),
         "survivor_stall_s": _longest_stall(survivor),
         "requests": len(run.records),
     }
@@ -158,7 +159,7 @@ def main() -> None:
     print(f"\nmedians of {2 * args.rounds} runs each, 2 replicas, {args.users} users:")
     print(
         "| after a killed worker | requests | failed | failed later | hung | detect s "
-        "| serving again s | survivor stall s |"
+        "| ready again s | survivor stall s |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for side, rows in results.items():
@@ -166,7 +167,7 @@ def main() -> None:
         print(
             f"| {side} | {m['requests']:.0f} | {m['failed']:.0f} | {m['failed_later']:.0f} | "
             f"{m['hung']:.0f} | "
-            f"{m['detect_s']:.1f} | {m['serving_again_s']:.1f} | {m['survivor_stall_s']:.1f} |"
+            f"{m['detect_s']:.1f} | {m['ready_again_s']:.1f} | {m['survivor_stall_s']:.1f} |"
         )
 
 
