@@ -27,12 +27,13 @@ from ray.util.placement_group import get_current_placement_group
 from cluster.actors.client import EngineClient
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.frontend import FrontEnd, Prompt
-from cluster.outputs import CompletionOutput, Logprob, RequestOutput
+from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
 from cluster.serve.args import ClusterArgs
 from cluster.serve.autoscaling import KV_USAGE, ONGOING_SEQUENCES, WAITING_SEQUENCES
 from cluster.serve.engine_supervisor import EngineSupervisor
 from cluster.serve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
+from cluster.serve.logprobs import token_logprob, token_logprobs
 from cluster.serve.metrics import ServerMetrics
 from cluster.serve.prefix_router import (
     CACHED_BLOCKS,
@@ -41,7 +42,7 @@ from cluster.serve.prefix_router import (
     ONGOING_REQUESTS,
     REPORTED_AT,
 )
-from cluster.serve.protocol import GenerateOutput, GenerateRequest, TokenLogprob, TopLogprob
+from cluster.serve.protocol import GenerateOutput, GenerateRequest, TokenLogprob
 
 logger = logging.getLogger("ray.serve")
 
@@ -171,7 +172,7 @@ class LLMServer:
                     num_output_tokens=len(completion.token_ids),
                     num_draft_tokens=completion.num_draft_tokens,
                     num_accepted_tokens=completion.num_accepted_tokens,
-                    logprobs=_token_logprobs(
+                    logprobs=token_logprobs(
                         completion, sent_tokens, request.sampling_params.logprobs or 0
                     ),
                     engine_id=self.engine.engine_id,
@@ -233,7 +234,7 @@ class LLMServer:
             token_id=first, token=self.engine.tokenizer.decode([first]), logprob=None
         )
         return [head] + [
-            _token_logprob(token_id, entry, params.prompt_logprobs)
+            token_logprob(token_id, entry, params.prompt_logprobs)
             for token_id, entry in zip(
                 out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True
             )
@@ -334,34 +335,3 @@ class LLMServer:
         supervisor = getattr(self, "supervisor", None)
         if supervisor is not None:
             supervisor.shutdown()
-
-
-def _token_logprobs(
-    completion: CompletionOutput, start: int, num_top: int
-) -> list[TokenLogprob] | None:
-    """The logprobs of the output tokens from `start` on (None when not asked for)."""
-    if completion.logprobs is None:
-        return None
-    return [
-        _token_logprob(token_id, entry, num_top)
-        for token_id, entry in zip(
-            completion.token_ids[start:], completion.logprobs[start:], strict=True
-        )
-    ]
-
-
-def _token_logprob(token_id: int, entry: dict[int, Logprob], num_top: int) -> TokenLogprob:
-    """A token's own logprob, and the `num_top` most likely tokens at its position."""
-    chosen = entry[token_id]
-    ranked = sorted(
-        (lp.rank, tid, lp)
-        for tid, lp in entry.items()
-        if lp.rank is not None and 1 <= lp.rank <= num_top
-    )
-    top = [
-        TopLogprob(token_id=tid, token=lp.decoded_token or "", logprob=lp.logprob)
-        for _, tid, lp in ranked
-    ]
-    return TokenLogprob(
-        token_id=token_id, token=chosen.decoded_token or "", logprob=chosen.logprob, top=top
-    )
