@@ -145,6 +145,8 @@ def test_both_replicas_serve_and_backpressure_is_a_503(app):
 
 def test_killed_worker_fails_its_replica_only_and_the_engine_restarts_in_place(app):
     before = _engines()
+    # both streams must start at once, one a replica (not one waiting behind the other)
+    wait_for(lambda: asyncio.run(_both_replicas_take_a_stream(app)), 60, "both replicas routable")
 
     async def read_all(stream):
         """(when it ended, the text or the error)."""
@@ -156,8 +158,7 @@ def test_killed_worker_fails_its_replica_only_and_the_engine_restarts_in_place(a
 
     async def main():
         client = _client(app)
-        a = await _open(client)
-        b = await _open(client)
+        a, b = await asyncio.gather(_open(client), _open(client))
         # Which replica serves `a` is the router's choice: kill a worker of one engine and
         # tell the streams apart by which one breaks.
         victim = sorted(before)[0]
