@@ -61,7 +61,7 @@ class EngineClient:
     ) -> None:
         """Start the scheduler actor (which starts the workers) and wait until it is ready;
         a failure there raises here, with every actor it started already gone. The model's
-        tokenizer is loaded unless `tokenizer` is given (a restarted engine's replica has it)."""
+        tokenizer is loaded unless `tokenizer` is given (a replica's, shared by its engines)."""
         from transformers import AutoTokenizer
 
         self.config = config

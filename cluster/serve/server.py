@@ -88,6 +88,10 @@ class LLMServer:
         self.max_model_len = self.engine_config.model.resolved_max_model_len
         self.metrics = ServerMetrics(self.model_id, _replica_id())
         self.placement_group = get_current_placement_group()
+        from transformers import AutoTokenizer
+
+        # loaded once: every engine this replica starts (restarts included) shares it
+        self.tokenizer = AutoTokenizer.from_pretrained(self.engine_config.model.tokenizer_path)
         self.supervisor = EngineSupervisor(self._start_engine, self.args.server.max_engine_restarts)
         logger.info(
             "LLMServer %s: replica %s started in %.1f s (engine loaded, HTTP ingress %s)",
@@ -98,9 +102,7 @@ class LLMServer:
         )
 
     def _start_engine(self, on_death: Callable[[str], object]) -> EngineClient:
-        """A new engine (scheduler and workers) in this replica's placement group, with
-        the first engine's tokenizer."""
-        previous = getattr(self, "supervisor", None)
+        """A new engine (scheduler and workers) in this replica's placement group."""
         return EngineClient(
             self.engine_config,
             self.args.placement_config(),
@@ -108,7 +110,7 @@ class LLMServer:
             stall_timeout_s=self.args.server.stall_timeout_s,
             observer=self.metrics.observe_batch,
             on_death=on_death,
-            tokenizer=previous.engine.tokenizer if previous is not None else None,
+            tokenizer=self.tokenizer,
         )
 
     @property
