@@ -114,17 +114,17 @@ def _weighted_values_cpu(
     scores: torch.Tensor,  # [n, kv_heads, rows, len] float32, masked keys -inf
     values: torch.Tensor,  # [n, kv_heads, len, head_dim]
 ) -> torch.Tensor:
-    """[n, kv_heads, rows, head_dim]: softmax(scores) @ values, rounded alike wherever a
-    row's visible keys sit among masked ones. A draft tree's node sees its ancestors with
-    masked siblings between them, where a chain's token sees the same keys side by side,
-    and the padded length changes with the batch; a vectorised float32 sum (the softmax's)
-    or a bfloat16 product groups the terms by position and rounds differently (AMX does,
-    `cluster.kernels.cpu_isa`). The softmax sums in float64 and the weighted sum runs in
-    float32, where the masked terms add exact zeros in key order."""
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float64).float()
-    if values.dtype == torch.float32:
-        return torch.matmul(probs, values)
-    return torch.matmul(probs, values.float()).to(values.dtype)
+    """[n, kv_heads, rows, head_dim]: softmax(scores) @ values, rounded alike whatever
+    the group's shape. The BLAS's float32 product rounds a row differently with the row
+    count and the padded length (MKL on the AMD EPYC: 1-3 rows against 4 and more, and
+    a split of the key dimension that moves with the padding), and a draft tree's node
+    sees its ancestors with masked siblings between them where a chain's token sees the
+    same keys side by side. So the softmax and the weighted sum run in float64 and round
+    once: a different summation order moves a float64 sum by ~1e-16 relative, which
+    changes the rounded result only when it lies that close to a rounding boundary
+    (~2^-40 per bfloat16 element)."""
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float64)
+    return torch.matmul(probs, values.double()).to(values.dtype)
 
 
 def causal_attention(
