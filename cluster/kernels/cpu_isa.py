@@ -3,8 +3,9 @@
 On AMX CPUs (Intel Sapphire Rapids and later) oneDNN's bfloat16 products round a row
 differently depending on the shape around it: a linear layer's rows once a product has
 more than 32 rows (`cluster.kernels.packed_linear` then runs blocks of 32 rows), and
-an attention row's weighted sum of values with the zero-padded context length (the CPU
-attention sums in float32 everywhere: `cluster.kernels.paged_attention`). Inductor's
+an attention row's weighted sum of values with the zero-padded context length (CPU
+attention runs no oneDNN product: `cluster.kernels.cpu_attention`, or the torch path's
+float64 sums). Inductor's
 products have the first problem too, so compiled graphs there call the packed products
 as an opaque op (`cluster::packed_linear`) instead of inductor's. With AVX-512 BF16
 alone (AMD Zen 4) none of this happens. (`cluster.config.dtypes` reads the CPU flags

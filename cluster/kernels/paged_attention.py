@@ -16,8 +16,9 @@ that are always visible, and causality still holds, so -1 (every bit) is plain c
 attention; a tree's root and nodes carry their ancestor masks (at most 64 keys).
 
 How a step's queries are cut into pieces and batched is `attention_plan.py`.
-`write_kv_ref` + `paged_attention_ref` here are the torch implementations (the CPU path
-and the tests' oracle); the Triton kernels in `paged_attention_triton.py` implement the
+`write_kv_ref` + `paged_attention_ref` here are the torch implementations (the tests'
+oracle, and the CPU path where the C kernel `cpu_attention.c` is not built or asked
+for); the Triton kernels in `paged_attention_triton.py` implement the
 same two functions, and `write_kv` / `paged_attention` pick one.
 """
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from cluster.kernels import cpu_attention
 from cluster.kernels.backend import use_triton
 from cluster.kernels.paged_attention import (
     paged_attention,
@@ -49,8 +50,10 @@ class PagedKVCache:
             self.k.append(torch.zeros(size, dtype=dtype, device=device))
             # (MLA: the same tensor; a step writes the same vectors to both)
             self.v.append(self.k[-1] if shape.values_are_keys else torch.zeros_like(self.k[-1]))
-        # The kernels are chosen once: "auto" is Triton on CUDA, torch elsewhere.
+        # The kernels are chosen once: "auto" is Triton on CUDA and the C kernel on a CPU
+        # (`cluster.kernels.cpu_attention`, where it builds), "torch" the torch reference.
         self.use_triton = use_triton(backend, torch.device(device))
+        self.use_cpu_kernel = backend == "auto" and torch.device(device).type == "cpu"
 
     @staticmethod
     def bytes_per_block(layer_shapes: LayerShapes, block_size: int, dtype: torch.dtype) -> int:
@@ -90,6 +93,19 @@ class PagedKVCache:
                 tree_bits=meta.tree_bits,
                 tree_starts=meta.tree_starts,
             )
+        if self.use_cpu_kernel and cpu_attention.supports(q, k_cache):
+            pieces = meta.cached(  # per-piece metadata shared by every layer
+                "cpu_attention_pieces",
+                lambda: cpu_attention.plan_pieces(
+                    meta.block_tables,
+                    meta.seq_lens,
+                    meta.query_start_loc,
+                    meta.tree_bits,
+                    meta.tree_starts,
+                ),
+            )
+            write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+            return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, pieces, scale)
         plan = meta.derived.get("attention_plan")  # index tensors shared by every layer
         if plan is None:
             plan = meta.derived["attention_plan"] = plan_paged_attention(

@@ -15,6 +15,7 @@ from torch import nn
 
 from cluster.config import EngineConfig
 from cluster.engine.messages import SchedulerOutput
+from cluster.kernels import cpu_attention
 from cluster.models.attention import AttentionLayer
 from cluster.models.compiled import CompileOptions
 from cluster.models.default_model import cache_dir
@@ -135,6 +136,9 @@ class Worker:
         block_size, dtype = self.config.cache.block_size, self.config.model.torch_dtype
         shapes, draft_lm_shapes = self._layer_shapes()
         device = self.state.device
+        if device.type == "cpu":  # the C attention kernel: built once per machine, here
+            os.environ.setdefault("CLUSTER_KERNEL_CACHE_DIR", os.path.join(cache_dir(), "kernels"))
+            cpu_attention.load()
         kv_cache = PagedKVCache(
             shapes,
             num_blocks,

@@ -1,0 +1,212 @@
+"""Paged attention on a CPU in C: every query row in one fixed order of operations.
+
+`cpu_attention.c` attends a step's new tokens in pieces of at most PIECE_LEN consecutive
+tokens of one sequence, each row over exactly the keys it may see, in key order, with the
+same arithmetic whatever else shares the piece or the step (its header says how). So a
+row's result is the same bits in a decode step, a verification step, a prefill chunk or
+as a draft-tree node among masked siblings: batch invariance without padding rules. It is
+also one call per layer where the torch path (`paged_attention_ref`, the reference it is
+tested against) runs a dozen small ops per group of pieces.
+
+The source is compiled once per machine with the system's C compiler (`$CC`, else `cc`)
+into `$CLUSTER_KERNEL_CACHE_DIR` (the engine points it under its cache folder; default: a
+folder in the temp dir), named by a hash of the source, the flags and the CPU's flags,
+and loaded with ctypes (which releases the GIL during the call). OpenMP runs the pairs on
+`torch.get_num_threads()` threads through the OpenMP runtime torch already loaded. Where
+no compiler is found or the build fails, `load()` returns None, logs why once, and the
+torch path runs instead. Supported: float32 and bfloat16 queries and caches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from cluster.kernels.attention_plan import PIECE_LEN
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+KEY_BLOCK = 16  # keys per block of scores in the kernel
+
+
+def kernel_cache_dir() -> str:
+    return os.environ.get("CLUSTER_KERNEL_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"cluster-kernels-{os.getuid()}"
+    )
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(compiler: str, path: str) -> None:
+    """Compile the source to `path` (through a temporary file: racing builds are safe)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, SOURCE, "-o", tmp], check=True, capture_output=True, text=True
+        )
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel (built the first time on this machine), or None."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: CPU attention runs the torch path")
+        return None
+    with open(SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + " ".join(FLAGS).encode() + _cpu_flags().encode())
+    path = os.path.join(kernel_cache_dir(), f"cpu_attention-{key.hexdigest()[:16]}.so")
+    try:
+        if not os.path.exists(path):
+            _build(compiler, path)
+        lib = ctypes.CDLL(path)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        logger.warning("CPU attention kernel did not build, the torch path runs: %s", detail)
+        return None
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.paged_attention_pieces.restype = None
+    lib.paged_attention_pieces.argtypes = [
+        ptr, i64, i64, i32,  # q, its token and head strides (bytes), dtype
+        ptr, ptr, i32, ptr, i64,  # k_cache, v_cache, dtype, block_tables, table stride
+        ptr, ptr, ptr, ptr, ptr,  # per piece: sequence, token, queries, first pos, tree start
+        ptr, i32,  # tree_bits, number of pieces
+        i32, i32, i32, i32, ctypes.c_float,  # heads, kv heads, head_dim, block size, scale
+        ptr, i32,  # out, dtype
+        ptr, i64, i32,  # scratch, floats per thread, threads
+    ]  # fmt: skip
+    return lib
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel runs these tensors (else the torch path)."""
+    return (
+        q.device.type == "cpu"
+        and k_cache.device.type == "cpu"
+        and q.dtype in _DTYPES
+        and k_cache.dtype in _DTYPES
+        and q.shape[-1] == k_cache.shape[-1]
+        and q.shape[-1] % 16 == 0
+        and q.shape[1] % k_cache.shape[2] == 0
+        and not torch.is_grad_enabled()
+        and load() is not None
+    )
+
+
+@dataclass(frozen=True)
+class PiecePlan:
+    """A step's new tokens in pieces of at most PIECE_LEN consecutive tokens of one
+    sequence (one step's, shared by every layer): what the kernel reads."""
+
+    seq: torch.Tensor  # [num_pieces] int32: the piece's sequence (its block table row)
+    token: torch.Tensor  # [num_pieces] int32: its first token's row in the step
+    queries: torch.Tensor  # [num_pieces] int32: its token count
+    first_pos: torch.Tensor  # [num_pieces] int32: its first token's position
+    tree_start: torch.Tensor  # [num_pieces] int32: the first key its tree bits describe
+    tree_bits: torch.Tensor  # [num_tokens] int64: -1 where every key is visible
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, contiguous
+    max_keys: int  # keys of the longest piece's context
+
+    @property
+    def num_pieces(self) -> int:
+        return self.seq.shape[0]
+
+
+def plan_pieces(
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    query_start_loc: list[int],
+    tree_bits: torch.Tensor | None = None,  # [num_tokens] int64
+    tree_starts: list[int] | None = None,  # [num_seqs], default: each first new token
+) -> PiecePlan:
+    columns: list[list[int]] = [[], [], [], [], []]
+    for i, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        first = seq_len - (end - start)
+        tree_start = first if tree_starts is None else tree_starts[i]
+        for lo in range(start, end, PIECE_LEN):
+            piece = (i, lo, min(PIECE_LEN, end - lo), first + lo - start, tree_start)
+            for column, value in zip(columns, piece, strict=True):
+                column.append(value)
+    seq, token, queries, first_pos, tree_start = (
+        torch.tensor(c, dtype=torch.int32) for c in columns
+    )
+    num_tokens = query_start_loc[-1] if query_start_loc else 0
+    bits = (
+        torch.full((num_tokens,), -1, dtype=torch.int64)
+        if tree_bits is None
+        else tree_bits.to(torch.int64).contiguous()
+    )
+    return PiecePlan(
+        seq,
+        token,
+        queries,
+        first_pos,
+        tree_start,
+        bits,
+        block_tables.to(torch.int32).contiguous(),
+        max(seq_lens, default=1),
+    )
+
+
+def paged_attention_cpu(
+    q: torch.Tensor,  # [num_tokens, heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    plan: PiecePlan,
+    scale: float,
+) -> torch.Tensor:
+    """[num_tokens, heads, head_dim] in q's dtype; `supports(q, k_cache)` must hold."""
+    lib = load()
+    assert lib is not None
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    num_tokens, heads, head_dim = q.shape
+    if plan.tree_bits.shape[0] != num_tokens:
+        raise ValueError(f"q has {num_tokens} tokens, the plan {plan.tree_bits.shape[0]}")
+    kv_heads = k_cache.shape[2]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if plan.num_pieces == 0:
+        return out
+    threads = max(1, torch.get_num_threads())
+    rows = PIECE_LEN * heads // kv_heads
+    padded_keys = -(-plan.max_keys // KEY_BLOCK) * KEY_BLOCK
+    scratch_floats = rows * (2 * head_dim + padded_keys + 1) + head_dim
+    scratch = torch.empty(threads * scratch_floats, dtype=torch.float32)
+    item = q.element_size()
+    lib.paged_attention_pieces(
+        q.data_ptr(), q.stride(0) * item, q.stride(1) * item, _DTYPES[q.dtype],
+        k_cache.data_ptr(), v_cache.data_ptr(), _DTYPES[k_cache.dtype],
+        plan.block_tables.data_ptr(), plan.block_tables.stride(0),
+        plan.seq.data_ptr(), plan.token.data_ptr(), plan.queries.data_ptr(),
+        plan.first_pos.data_ptr(), plan.tree_start.data_ptr(),
+        plan.tree_bits.data_ptr(), plan.num_pieces,
+        heads, kv_heads, head_dim, k_cache.shape[1], scale,
+        out.data_ptr(), _DTYPES[out.dtype],
+        scratch.data_ptr(), scratch_floats, threads,
+    )  # fmt: skip
+    return out
