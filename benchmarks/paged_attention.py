@@ -1,4 +1,5 @@
-"""Paged attention: the Triton kernel against the torch reference, on CUDA.
+"""Paged attention: the Triton kernel against the torch reference, on CUDA; on a CPU,
+the C kernel (`cluster.kernels.cpu_attention`) against the torch path.
 
 Two batches over a shuffled block pool (block size 16, 32 query heads over 8 KV heads,
 head_dim 128, bfloat16):
@@ -8,7 +9,8 @@ Prints a markdown table of median latencies and the effective memory bandwidth: 
 must move at least once (every context key and value, the queries and the output) divided
 by the latency. Decode is bandwidth-bound, so its GB/s is the figure to compare with the
 GPU's peak; the prefill chunk is compute-bound and its GB/s is only indicative.
-Without CUDA it says so, times the torch reference on a small float32 case and exits 0.
+Without CUDA: decode, verification and prefill cases in SmolLM2-135M's geometry (9 query
+heads over 3 KV heads, head_dim 64, bfloat16), C kernel and torch path timed in turns.
 
     python benchmarks/paged_attention.py [--repeats 20]
 """
@@ -20,6 +22,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from itertools import pairwise
 
 import torch
@@ -94,6 +97,56 @@ def triton_call(batch: dict) -> Callable[[], torch.Tensor]:
     )
 
 
+def interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median milliseconds of each function, timed in turns (A, B, B, A, ...)."""
+    names = list(fns)
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        for name in names if i % 2 == 0 else reversed(names):
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(t) for name, t in times.items()}
+
+
+def cpu_table(repeats: int) -> None:
+    """The C kernel against the torch path on this CPU, SmolLM2's attention geometry."""
+    from cluster.kernels import cpu_attention
+    from cluster.kernels.attention_plan import plan_paged_attention
+
+    if cpu_attention.load() is None:
+        print("the C kernel did not build here: nothing to compare")
+        return
+    torch.manual_seed(0)
+    cases = {
+        "decode 1 x 128 ctx": (1, 127, 1),
+        "decode 16 x 192 ctx": (16, 191, 1),
+        "verify 16 x 4 after 188": (16, 188, 4),
+        "prefill chunk 1 x 256 new": (1, 0, 256),
+        "prefill chunk 1 x 512 new after 1536": (1, 1536, 512),
+    }
+    print(f"{torch.get_num_threads()} threads, bf16, 9 heads / 3 KV heads, head_dim 64, block 16")
+    print("(per layer; medians of interleaved runs)\n")
+    print("| case | C kernel (ms) | torch path (ms) | speed-up |")
+    print("|---|---:|---:|---:|")
+    for name, (num_seqs, context, new) in cases.items():
+        batch = make_batch(num_seqs, context, new, 9, 3, 64, 16, torch.bfloat16, "cpu")
+        tables, lens, starts = batch["block_tables"], batch["seq_lens"], batch["query_start_loc"]
+        pieces = cpu_attention.plan_pieces(tables, lens, starts)
+        plan = plan_paged_attention(tables, lens, starts, 16)
+        q, k, v, scale = batch["q"], batch["k_cache"], batch["v_cache"], batch["scale"]
+        ms = interleaved_ms(
+            {
+                "c": partial(cpu_attention.paged_attention_cpu, q, k, v, pieces, scale),
+                "torch": partial(paged_attention_ref, **batch, plan=plan),
+            },
+            repeats,
+        )
+        print(f"| {name} | {ms['c']:.3f} | {ms['torch']:.3f} | {ms['torch'] / ms['c']:.1f}x |")
+
+
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(
@@ -103,13 +156,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
-        print("CUDA is needed to time the Triton kernel; timing the torch reference only.\n")
-        batch = make_batch(8, 256, 1, 8, 2, 64, 16, torch.float32, "cpu")
-        ms = median_ms(lambda: paged_attention_ref(**batch), lambda: None, args.repeats)
-        gbs = bytes_moved(batch) / ms / 1e6
-        print("| case | torch (ms) | torch GB/s |")
-        print("|---|---:|---:|")
-        print(f"| decode 8 x 256 ctx, 8/2 heads, d64, fp32, cpu | {ms:.2f} | {gbs:.3f} |")
+        cpu_table(args.repeats)
         return
 
     torch.manual_seed(0)
