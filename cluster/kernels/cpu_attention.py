@@ -8,13 +8,15 @@ as a draft-tree node among masked siblings: batch invariance without padding rul
 also one call per layer where the torch path (`paged_attention_ref`, the reference it is
 tested against) runs a dozen small ops per group of pieces.
 
-The source is compiled once per machine with the system's C compiler (`$CC`, else `cc`)
+The source is compiled once per machine with the system's C compiler (`$CC`, else `cc`;
+gcc 12 or later, or clang: it uses vector extensions and `__builtin_shufflevector`)
 into `$CLUSTER_KERNEL_CACHE_DIR` (the engine points it under its cache folder; default: a
 folder in the temp dir), named by a hash of the source, the flags and the CPU's flags,
-and loaded with ctypes (which releases the GIL during the call). OpenMP runs the pairs on
-`torch.get_num_threads()` threads through the OpenMP runtime torch already loaded. Where
-no compiler is found or the build fails, `load()` returns None, logs why once, and the
-torch path runs instead. Supported: float32 and bfloat16 queries and caches.
+and loaded with ctypes (which releases the GIL during the call). OpenMP runs the (piece,
+KV head) items on `torch.get_num_threads()` threads through the OpenMP runtime torch
+already loaded. Where no compiler is found or the build fails, `load()` returns None,
+logs why once, and the torch path runs instead. Supported: float32 and bfloat16 queries
+and caches.
 """
 
 from __future__ import annotations
