@@ -97,22 +97,10 @@ def triton_call(batch: dict) -> Callable[[], torch.Tensor]:
     )
 
 
-def interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median milliseconds of each function, timed in turns (A, B, B, A, ...)."""
-    names = list(fns)
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(repeats):
-        for name in names if i % 2 == 0 else reversed(names):
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: 1000 * statistics.median(t) for name, t in times.items()}
-
-
 def cpu_table(repeats: int) -> None:
     """The C kernel against the torch path on this CPU, SmolLM2's attention geometry."""
+    from forward import interleaved_ms  # benchmarks/forward.py, beside this script
+
     from cluster.kernels import cpu_attention
     from cluster.kernels.attention_plan import plan_paged_attention
 

@@ -16,7 +16,13 @@ from itertools import pairwise
 
 import pytest
 import torch
-from test_paged_attention_kernel import SEQUENCES, _dense_tree_attention, _tree_bits, make_batch
+from test_paged_attention_kernel import (
+    SEQUENCES,
+    _dense_tree_attention,
+    _tree_bits,
+    as_float32,
+    make_batch,
+)
 
 from cluster.draft_tree import DraftTree
 from cluster.kernels import cpu_attention
@@ -42,10 +48,6 @@ def run_kernel(batch: dict, tree_bits=None, tree_starts=None) -> torch.Tensor:
         return cpu_attention.paged_attention_cpu(
             batch["q"], batch["k_cache"], batch["v_cache"], plan, batch["scale"]
         )
-
-
-def as_float32(batch: dict) -> dict:
-    return {**batch, **{name: batch[name].float() for name in ("q", "k_cache", "v_cache")}}
 
 
 @needs_kernel

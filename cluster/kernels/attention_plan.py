@@ -97,7 +97,7 @@ class AttentionPlan:
     one_token_each: bool = False
 
 
-def _pieces(
+def cut_pieces(
     seq_lens: list[int], query_start_loc: list[int], tree_starts: list[int] | None
 ) -> list[Piece]:
     """Each sequence's new tokens in pieces of at most PIECE_LEN. A draft tree may be cut
@@ -139,7 +139,7 @@ def plan_paged_attention(
     tree_bits: torch.Tensor | None = None,  # [num_tokens] int64, see the module docstring
     tree_starts: list[int] | None = None,  # [num_seqs], default: each first new token
 ) -> AttentionPlan:
-    pieces = _pieces(seq_lens, query_start_loc, tree_starts)
+    pieces = cut_pieces(seq_lens, query_start_loc, tree_starts)
     if not pieces:
         return AttentionPlan([])
     num_tokens = query_start_loc[-1]

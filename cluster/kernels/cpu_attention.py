@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.kernels.attention_plan import PIECE_LEN
+from cluster.kernels.attention_plan import PIECE_LEN, cut_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -145,18 +145,16 @@ def plan_pieces(
     tree_bits: torch.Tensor | None = None,  # [num_tokens] int64
     tree_starts: list[int] | None = None,  # [num_seqs], default: each first new token
 ) -> PiecePlan:
-    columns: list[list[int]] = [[], [], [], [], []]
-    for i, seq_len in enumerate(seq_lens):
-        start, end = query_start_loc[i], query_start_loc[i + 1]
-        first = seq_len - (end - start)
-        tree_start = first if tree_starts is None else tree_starts[i]
-        for lo in range(start, end, PIECE_LEN):
-            piece = (i, lo, min(PIECE_LEN, end - lo), first + lo - start, tree_start)
-            for column, value in zip(columns, piece, strict=True):
-                column.append(value)
-    seq, token, queries, first_pos, tree_start = (
-        torch.tensor(c, dtype=torch.int32) for c in columns
-    )
+    pieces = cut_pieces(seq_lens, query_start_loc, tree_starts)
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32)
+
+    seq = ints([p.seq for p in pieces])
+    token = ints([p.start for p in pieces])
+    queries = ints([p.num_queries for p in pieces])
+    first_pos = ints([p.context_len - p.num_queries for p in pieces])
+    tree_start = ints([p.tree_start for p in pieces])
     num_tokens = query_start_loc[-1] if query_start_loc else 0
     bits = (
         torch.full((num_tokens,), -1, dtype=torch.int64)
