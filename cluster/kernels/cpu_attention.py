@@ -8,11 +8,8 @@ as a draft-tree node among masked siblings: batch invariance without padding rul
 also one call per layer where the torch path (`paged_attention_ref`, the reference it is
 tested against) runs a dozen small ops per group of pieces.
 
-The source is compiled once per machine with the system's C compiler (`$CC`, else `cc`;
-gcc 12 or later, or clang: it uses vector extensions and `__builtin_shufflevector`)
-into `$CLUSTER_KERNEL_CACHE_DIR` (the engine points it under its cache folder; default: a
-folder in the temp dir), named by a hash of the source, the flags and the CPU's flags,
-and loaded with ctypes (which releases the GIL during the call). OpenMP runs the (piece,
+The source is compiled once per machine (`cluster.kernels.cpu_build`; it uses vector
+extensions and `__builtin_shufflevector`, so gcc 12 or later, or clang). OpenMP runs the (piece,
 KV head) items on `torch.get_num_threads()` threads through the OpenMP runtime torch
 already loaded. Where no compiler is found or the build fails, `load()` returns None,
 logs why once, and the torch path runs instead. Supported: float32 and bfloat16 queries
@@ -23,72 +20,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 
 import torch
 
 from cluster.kernels.attention_plan import PIECE_LEN, cut_pieces
+from cluster.kernels.cpu_build import load_library
 
-logger = logging.getLogger(__name__)
-
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 KEY_BLOCK = 16  # keys per block of scores in the kernel
-
-
-def kernel_cache_dir() -> str:
-    return os.environ.get("CLUSTER_KERNEL_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), f"cluster-kernels-{os.getuid()}"
-    )
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _build(compiler: str, path: str) -> None:
-    """Compile the source to `path` (through a temporary file: racing builds are safe)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *FLAGS, SOURCE, "-o", tmp], check=True, capture_output=True, text=True
-        )
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel (built the first time on this machine), or None."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("no C compiler found: CPU attention runs the torch path")
-        return None
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + " ".join(FLAGS).encode() + _cpu_flags().encode())
-    path = os.path.join(kernel_cache_dir(), f"cpu_attention-{key.hexdigest()[:16]}.so")
-    try:
-        if not os.path.exists(path):
-            _build(compiler, path)
-        lib = ctypes.CDLL(path)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        logger.warning("CPU attention kernel did not build, the torch path runs: %s", detail)
+    lib = load_library("cpu_attention")
+    if lib is None:
         return None
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.paged_attention_pieces.restype = None

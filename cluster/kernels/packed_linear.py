@@ -1,4 +1,4 @@
-"""Linear layers with weights prepacked for the CPU's bfloat16 units (oneDNN).
+"""Linear layers with weights prepacked for the CPU's bfloat16 units (our C kernel or oneDNN).
 
 `F.linear` on a plain `[out, in]` bfloat16 weight lets oneDNN reorder the weight into
 its blocked layout (bfloat16 pairs interleaved along the input dimension) on every call,
@@ -16,6 +16,13 @@ oneDNN computes as a matrix-vector product): every row then comes out as it woul
 two-row product, which batch invariance needs. Decode and verification steps are within
 one block; a long prefill pays a few more calls.
 
+Where our C kernel (`cluster.kernels.cpu_linear`, AVX-512 BF16) returns oneDNN's bits for
+a weight's shape on this CPU, checked once per shape on random data (`reproduces_onednn`),
+the weight is packed for it instead: it runs the few rows of decode and verification
+steps about twice as fast as oneDNN, and is no slower up to hundreds of rows (AMD EPYC).
+Its product is row invariant by construction, so every row count takes it. Elsewhere
+(oneDNN on AMX tiles, which round otherwise) the weight is packed for oneDNN.
+
 `linear_ref` (plain `F.linear`) is the reference and the path everywhere else: CUDA,
 float32, float16, CPUs without oneDNN's bfloat16 support, inputs that are not 2-D and
 autograd (training never packs). A compiled graph calls the packed product as the opaque
@@ -28,11 +35,15 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 
 import torch
 import torch.nn.functional as F
 
+from cluster.kernels import cpu_linear
 from cluster.kernels.cpu_isa import cpu_has_amx
+
+logger = logging.getLogger(__name__)
 
 # The row count oneDNN tunes the packed layout for; decode and verification steps are
 # a few rows, and the layout serves every row count.
@@ -69,9 +80,43 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` ([out, in] bfloat16 on CPU) in oneDNN's blocked layout (an opaque tensor
-    that only `linear` reads)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
+    """`weight` ([out, in] bfloat16 on CPU) packed for the faster of our C kernel (a plain
+    4-D tensor, where it reproduces oneDNN on this CPU) and oneDNN (an opaque tensor in
+    its blocked layout); only `linear` reads either."""
+    weight = weight.detach()
+    if cpu_linear.supports(weight) and reproduces_onednn(*weight.shape):
+        return cpu_linear.pack(weight)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
+
+
+@functools.cache
+def reproduces_onednn(out_features: int, in_features: int) -> bool:
+    """Whether `cpu_linear` returns oneDNN's packed product bit for bit for weights of this
+    shape on this CPU, with and without a bias: checked on random data with enough outputs
+    (~2^19 per case) that a different order of operations shows (a K chunk boundary off
+    by 64 inputs changed ~1e-4 of the roundings); logged where it does not hold."""
+    gen = torch.Generator().manual_seed(out_features * 7919 + in_features)
+    rows = max(4, -(-(1 << 19) // out_features))
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+    packed = cpu_linear.pack(weight)
+    with torch.no_grad():
+        same = all(
+            torch.equal(
+                cpu_linear.linear(x, packed, b, out_features),
+                _onednn_product(x, onednn, b),
+            )
+            for b in (None, bias)
+        )
+    if not same:
+        logger.info(
+            "bfloat16 %dx%d products run in oneDNN: the C kernel rounds otherwise on this CPU",
+            out_features,
+            in_features,
+        )
+    return same
 
 
 def linear_ref(
@@ -92,16 +137,25 @@ def linear(
         return linear_ref(x, weight, bias)
     if torch.compiler.is_compiling():
         return torch.ops.cluster.packed_linear(x, packed, bias, weight.shape[0])
-    return packed_product(x, packed, bias)
+    return packed_product(x, packed, bias, weight.shape[0])
 
 
 def packed_product(
     x: torch.Tensor,  # [rows, in]
     packed: torch.Tensor,  # pack_weight(weight)
     bias: torch.Tensor | None,  # [out]
+    out_features: int,
 ) -> torch.Tensor:
-    """[rows, out] through the packed weight, in row blocks on AMX CPUs."""
-    x = x.contiguous()
+    """[rows, out] through the packed weight: our C kernel, or oneDNN (in row blocks on
+    AMX CPUs)."""
+    if not packed.is_mkldnn:
+        return cpu_linear.linear(x, packed, bias, out_features)
+    return _onednn_product(x.contiguous(), packed, bias)
+
+
+def _onednn_product(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     if x.shape[0] <= AMX_ROW_BLOCK or not cpu_has_amx():
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return torch.cat(
@@ -117,7 +171,7 @@ def _packed_linear_op(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     """`packed_product` as one opaque op of a compiled graph."""
-    return packed_product(x, packed, bias)
+    return packed_product(x, packed, bias, out_features)
 
 
 @_packed_linear_op.register_fake

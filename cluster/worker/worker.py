@@ -73,8 +73,11 @@ class Worker:
         self.draft: nn.Module | None = None
         if self.draft_method is not None and self.state.is_last_stage:
             self.draft = self.draft_method.load_draft(spec, config.model, self.model, self.state)
-        # bfloat16 on CPU: every linear layer's weight prepacked for oneDNN, once, now that
-        # the last weight is in (eager steps and compiled graphs both read them).
+        # bfloat16 on CPU: every linear layer's weight prepacked, once, now that the last
+        # weight is in (eager steps and compiled graphs both read them). Our C kernels are
+        # built once per machine, under the cache folder.
+        if self.state.device.type == "cpu":
+            os.environ.setdefault("CLUSTER_KERNEL_CACHE_DIR", os.path.join(cache_dir(), "kernels"))
         self.num_packed_weights = sum(
             pack_linears(module) for module in (self.model, self.draft) if module is not None
         )
@@ -136,8 +139,7 @@ class Worker:
         block_size, dtype = self.config.cache.block_size, self.config.model.torch_dtype
         shapes, draft_lm_shapes = self._layer_shapes()
         device = self.state.device
-        if device.type == "cpu":  # the C attention kernel: built once per machine, here
-            os.environ.setdefault("CLUSTER_KERNEL_CACHE_DIR", os.path.join(cache_dir(), "kernels"))
+        if device.type == "cpu":  # the C attention kernel (built at most once per machine)
             cpu_attention.load()
         kv_cache = PagedKVCache(
             shapes,
