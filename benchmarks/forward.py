@@ -14,6 +14,7 @@ weights). Eager runs with the engine's prepacked bfloat16 weights; compiled is t
 engine's batch-invariant graph (one for every token count).
 
     python benchmarks/forward.py [--model PATH] [--tokens 1 4 16 64] [--no-compile]
+                                 [--onednn-column]
 """
 
 from __future__ import annotations
@@ -79,6 +80,11 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled column")
+    parser.add_argument(
+        "--onednn-column",
+        action="store_true",
+        help="also time the compiled forward with the linear layers packed for oneDNN",
+    )
     args = parser.parse_args()
 
     path = args.model or ensure_default_model()
@@ -97,14 +103,24 @@ def main() -> None:
     def eager(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return ours.compute_logits(ours(ids, positions))
 
-    compiled = None
-    if not args.no_compile:
+    def compile_forward(model: torch.nn.Module, name: str) -> CompiledForward:
         # As a batch-invariant engine compiles on CPU: one graph for every token count.
+        def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return model.compute_logits(model(ids, positions))
+
         sizes = tuple(sorted(set(args.tokens)))
         options = CompileOptions(sizes, autotune=False, dynamic=True, freeze=packed == 0)
-        compiled = CompiledForward(eager, options, torch.device(device), "forward")
+        compiled = CompiledForward(forward, options, torch.device(device), name)
         seconds = compiled.warm_up()
-        print(f"compiled the forward (one graph for every token count) in {seconds:.1f} s")
+        print(f"compiled the {name} (one graph for every token count) in {seconds:.1f} s")
+        return compiled
+
+    compiled = None if args.no_compile else compile_forward(ours, "forward")
+    onednn = None
+    if args.onednn_column and not args.no_compile:
+        other = load_model(config, ParallelState.single(device), show_progress=False)
+        pack_linears(other, kernel="onednn")
+        onednn = compile_forward(other, "forward with oneDNN products")
 
     print(
         f"model={path} dtype={args.dtype} ({config.torch_dtype}) device={device} "
@@ -112,11 +128,12 @@ def main() -> None:
         f"weights={weight_bytes / 1e6:.0f} MB read bandwidth={bandwidth:.1f} GB/s "
         f"roofline={roofline_ms:.2f} ms\n"
     )
+    extra = " compiled, oneDNN (ms) | oneDNN / compiled |" if onednn is not None else ""
     print(
         "| shape | tokens | eager (ms) | compiled (ms) | transformers (ms) | hf / compiled "
-        "| compiled / roofline |"
+        f"| compiled / roofline |{extra}"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if onednn is not None else ""))
 
     def row(shape: str, n: int, meta: AttentionMetadata, ids: torch.Tensor, hf_fn) -> None:
         def ours_fn(fn: Callable) -> Callable[[], object]:
@@ -131,12 +148,15 @@ def main() -> None:
         fns = {"eager": ours_fn(eager), "hf": lambda: (hf_fn(), sync())}
         if compiled is not None:
             fns["compiled"] = ours_fn(compiled)
+        if onednn is not None:
+            fns["onednn"] = ours_fn(onednn)
         ms = interleaved_ms(fns, args.repeats)
         best = ms.get("compiled", ms["eager"])
         comp = f"{ms['compiled']:.2f}" if "compiled" in ms else "-"
+        extra = f" {ms['onednn']:.2f} | {ms['onednn'] / best:.2f} |" if "onednn" in ms else ""
         print(
             f"| {shape} | {n} | {ms['eager']:.2f} | {comp} | {ms['hf']:.2f} | "
-            f"{ms['hf'] / best:.2f} | {best / roofline_ms:.2f} |"
+            f"{ms['hf'] / best:.2f} | {best / roofline_ms:.2f} |{extra}"
         )
 
     for n in args.tokens:

@@ -79,12 +79,15 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
     """`weight` ([out, in] bfloat16 on CPU) packed for the faster of our C kernel (a plain
     4-D tensor, where it reproduces oneDNN on this CPU) and oneDNN (an opaque tensor in
-    its blocked layout); only `linear` reads either."""
+    its blocked layout); `kernel="onednn"` packs for oneDNN in any case (benchmarks
+    compare the two). Only `linear` reads either."""
+    if kernel not in ("auto", "onednn"):
+        raise ValueError(f"kernel must be 'auto' or 'onednn', got {kernel!r}")
     weight = weight.detach()
-    if cpu_linear.supports(weight) and reproduces_onednn(*weight.shape):
+    if kernel == "auto" and cpu_linear.supports(weight) and reproduces_onednn(*weight.shape):
         return cpu_linear.pack(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
 

@@ -80,11 +80,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None  # see `pack`
 
-    def pack(self) -> None:
+    def pack(self, kernel: str = "auto") -> None:
         """Prepack the loaded weight for this CPU's bfloat16 units, where that pays
-        (`cluster.kernels.packed_linear`); a tied weight keeps its plain copy for the
-        embedding."""
-        self.packed_weight = pack_weight(self.weight) if can_pack(self.weight) else None
+        (`cluster.kernels.packed_linear`, which `kernel` goes to); a tied weight keeps its
+        plain copy for the embedding."""
+        self.packed_weight = pack_weight(self.weight, kernel) if can_pack(self.weight) else None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (`tie_word_embeddings`)."""

@@ -68,10 +68,11 @@ class LinearBase(nn.Module):
         of it (FP8 checkpoints on FP8 hardware); `forward` then runs `fp8_linear`."""
         to_fp8(self, block)
 
-    def pack(self) -> None:
+    def pack(self, kernel: str = "auto") -> None:
         """Prepack the loaded weight for this CPU's bfloat16 units, where that pays
-        (`cluster.kernels.packed_linear`); inference only, after the last weight is loaded."""
-        self.packed_weight = pack_weight(self.weight) if can_pack(self.weight) else None
+        (`cluster.kernels.packed_linear`, which `kernel` goes to); inference only, after
+        the last weight is loaded."""
+        self.packed_weight = pack_weight(self.weight, kernel) if can_pack(self.weight) else None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[num_tokens, in_local] -> [num_tokens, out_local] on this rank's shard."""
@@ -241,12 +242,13 @@ class RowParallelLinear(LinearBase):
         return all_reduce(y, self.state) if self.reduce_results else y
 
 
-def pack_linears(module: nn.Module) -> int:
+def pack_linears(module: nn.Module, kernel: str = "auto") -> int:
     """Prepack every linear layer's and LM head's weight in `module` where that pays
-    (bfloat16 on a CPU with oneDNN); returns how many were packed."""
+    (bfloat16 on a CPU with oneDNN); returns how many were packed. `kernel`: "auto" (our C
+    kernel where it reproduces oneDNN, see `pack_weight`) or "onednn" (benchmarks)."""
     packed = 0
     for m in module.modules():
         if hasattr(m, "pack") and hasattr(m, "packed_weight"):
-            m.pack()
+            m.pack(kernel)
             packed += m.packed_weight is not None
     return packed
