@@ -4,13 +4,15 @@
  * -ffp-contract=off, OpenMP) and calls `paged_attention_pieces`; the torch reference is
  * `paged_attention_ref` in `paged_attention.py`.
  *
- * A work item is a piece (up to 16 consecutive new tokens of one sequence) and one KV
- * head: its rows are the pieces' queries of that head's query heads. Each row's result is
+ * A work item is a piece (up to 16 consecutive new tokens of one sequence), one KV head
+ * and a chunk of at most ROW_CHUNK of its rows (the piece's queries of that head's query
+ * heads), so one verification piece still spreads over the threads; key and value rows
+ * are prefetched a few keys ahead. Each row's result is
  * the same bits whatever else the item or the step holds, so a token's attention is the
  * same alone, in a batch, in a verification step, in a prefill chunk or as a draft-tree
  * node whose ancestors sit among masked siblings (batch invariance):
  * - a score is q.k in 16 lanes (lane l sums dims l, l + 16, ... in order) added in a
- *   fixed tree, times `scale`;
+ *   fixed tree (16 keys' trees at once, as vector shuffles), times `scale`;
  * - keys the row may not see (later positions, tree bits) get a weight of exactly 0;
  *   the row's max is order-free; weights are exp(score - max) by the polynomial below,
  *   the same in vector lanes and scalar tails (no contraction to FMA, no reassociation);
@@ -23,6 +25,8 @@
 
 #define KEY_BLOCK 16
 #define MAX_TREE_TOKENS 64
+#define PIECE_LEN_MAX 16 /* queries per piece (attention_plan.PIECE_LEN) */
+#define ROW_CHUNK 8 /* rows per work item */
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
@@ -77,20 +81,46 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
-/* q . k over `dim` (a multiple of 16) floats: lane l sums dims l, l + 16, ... in order,
- * then the lanes are added in a fixed tree. */
-static inline float dot(const float *q, const float *k, int dim) {
-    v16 acc = {0}, a, b;
+/* q . k for the N rows q, q + dim, ... against one key k (`dim` a multiple of 16), before
+ * the lanes are added: lane l sums dims l, l + 16, ... in order. Into out[0],
+ * out[KEY_BLOCK], ...; the rows' chains interleaved (N a constant, 1 to 4). */
+static inline __attribute__((always_inline)) void dot_rows(const float *q, const float *k,
+                                                           int dim, v16 *out, const int N) {
+    v16 acc[4] = {{0}, {0}, {0}, {0}}, x, y;
     for (int d = 0; d < dim; d += 16) {
-        memcpy(&a, q + d, sizeof a);
-        memcpy(&b, k + d, sizeof b);
-        acc += a * b;
+        memcpy(&x, k + d, sizeof x);
+        for (int i = 0; i < N; i++) {
+            memcpy(&y, q + i * dim + d, sizeof y);
+            acc[i] += y * x;
+        }
     }
-    v8 s8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) +
-            __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+    for (int i = 0; i < N; i++) out[i * KEY_BLOCK] = acc[i];
+}
+
+/* The 16 lane sums of 16 keys' `dot_rows` at once, each in the same fixed tree:
+ * s8[i] = l[i] + l[i + 8]; s4[i] = s8[i] + s8[i + 4]; (s4[0] + s4[2]) + (s4[1] + s4[3]).
+ * Lane c of the result is key c's sum. */
+static inline v16 sum_lanes16(const v16 *a) {
+    v16 b[8], c[4], d[2];
+    for (int m = 0; m < 8; m++)
+        b[m] = __builtin_shufflevector(a[2 * m], a[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                       18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * m], a[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15,
+                                       24, 25, 26, 27, 28, 29, 30, 31);
+    for (int n = 0; n < 4; n++)
+        c[n] = __builtin_shufflevector(b[2 * n], b[2 * n + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16,
+                                       17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(b[2 * n], b[2 * n + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20,
+                                       21, 22, 23, 28, 29, 30, 31);
+    for (int p = 0; p < 2; p++)
+        d[p] = __builtin_shufflevector(c[2 * p], c[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16,
+                                       17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(c[2 * p], c[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18,
+                                       19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                   26, 28, 30) +
+           __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
+                                   27, 29, 31);
 }
 
 /* The cache slot of key `pos` of a sequence with block table `blocks`. */
@@ -110,57 +140,67 @@ typedef struct {
     int out_dtype;
 } Layer;
 
-/* One work item. Rows are (query j, head g) as j * group + g. `scratch` holds
- * rows * (2 * head_dim + padded_keys + 1) + head_dim floats. */
-static void attend_piece(const Layer *L, const int32_t *blocks, int first_token,
-                         int num_queries, int first_pos, int tree_start,
-                         const int64_t *tree_bits, int kvh, float *scratch) {
-    const int group = L->num_heads / L->num_kv_heads, dim = L->head_dim;
-    const int rows = num_queries * group;
-    const int num_keys = first_pos + num_queries; /* the last query sees them all */
-    const int padded = (num_keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
+/* Keys ahead whose cache rows are prefetched: a row is a few cache lines at a scattered
+ * slot, and loading them one key at a time left the kernel waiting on memory. */
+#define PREFETCH_KEYS 8
+
+static inline void prefetch_row(const char *cache, int64_t slot, const Layer *L, int kvh,
+                                int64_t row_bytes) {
+    const char *row = cache + (slot * L->num_kv_heads + kvh) * row_bytes;
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+}
+
+/* The weighted values of rows [0, rows) over keys [0, num_keys), key by key in key
+ * order, skipping zero weights: acc[r] += w * v, total[r] += w. ROWS rows and DV vectors
+ * of 16 per row are compile-time constants here, so the accumulators stay in registers;
+ * `values_rows_any` does the same arithmetic in memory for other shapes. */
+static inline __attribute__((always_inline)) void values_rows_fixed(
+    const Layer *L, const int32_t *blocks, int kvh, int num_keys, const float *weights,
+    int padded, float *acc_out, float *total_out, float *row, const int ROWS, const int DV) {
     const size_t cache_item = L->cache_dtype == DTYPE_BFLOAT16 ? 2 : 4;
-    float *qf = scratch;                          /* [rows, dim] */
-    float *acc = qf + (size_t)rows * dim;         /* [rows, dim] */
-    float *weights = acc + (size_t)rows * dim;    /* [rows, padded] */
-    float *total = weights + (size_t)rows * padded; /* [rows] */
-    float *row = total + rows;                    /* [dim] one key or value */
-    for (int j = 0; j < num_queries; j++)
-        for (int g = 0; g < group; g++) {
-            const char *src = L->q + (int64_t)(first_token + j) * L->q_token_stride +
-                              (int64_t)(kvh * group + g) * L->q_head_stride;
-            load_row(qf + (size_t)(j * group + g) * dim, src, L->q_dtype, dim);
-        }
-    /* scores: weights[r, c] = scale * q[r] . k[c] */
+    const int dim = DV * 16;
+    v16 acc[4][8];
+    float total[4];
+    for (int r = 0; r < ROWS; r++) {
+        total[r] = 0.0f;
+        for (int v = 0; v < DV; v++) acc[r][v] = (v16){0};
+    }
     for (int c = 0; c < num_keys; c++) {
         int64_t slot = slot_of(blocks, c, L->block_size);
-        load_row(row, L->k_cache + (slot * L->num_kv_heads + kvh) * dim * cache_item,
+        if (c + PREFETCH_KEYS < num_keys)
+            prefetch_row(L->v_cache, slot_of(blocks, c + PREFETCH_KEYS, L->block_size), L, kvh,
+                         dim * cache_item);
+        load_row(row, L->v_cache + (slot * L->num_kv_heads + kvh) * dim * cache_item,
                  L->cache_dtype, dim);
-        for (int r = 0; r < rows; r++)
-            weights[(size_t)r * padded + c] = dot(qf + (size_t)r * dim, row, dim) * L->scale;
-    }
-    /* weights: exp(score - max) over the keys each row sees, exactly 0 elsewhere */
-    for (int j = 0; j < num_queries; j++) {
-        const int64_t bits = tree_bits[first_token + j];
-        const int seen = first_pos + j + 1; /* causal: keys up to the query itself */
-        for (int g = 0; g < group; g++) {
-            float *w = weights + (size_t)(j * group + g) * padded;
-            for (int c = 0; c < padded; c++) {
-                int m = c - tree_start;
-                int visible = c < seen && (bits == -1 || m < 0 ||
-                                           (m < MAX_TREE_TOKENS && ((bits >> m) & 1)));
-                w[c] = visible ? w[c] : -INFINITY;
+        for (int r = 0; r < ROWS; r++) {
+            const float w = weights[(size_t)r * padded + c];
+            if (w == 0.0f) continue;
+            for (int v = 0; v < DV; v++) {
+                v16 x;
+                memcpy(&x, row + 16 * v, sizeof x);
+                acc[r][v] += w * x;
             }
-            float max = -INFINITY;
-            for (int c = 0; c < seen; c++) max = w[c] > max ? w[c] : max;
-            for (int c = 0; c < padded; c++) w[c] = exp_nonpositive(w[c] - max);
+            total[r] += w;
         }
     }
-    /* values, key by key in key order */
+    for (int r = 0; r < ROWS; r++) {
+        total_out[r] = total[r];
+        for (int v = 0; v < DV; v++) memcpy(acc_out + (size_t)r * dim + 16 * v, &acc[r][v], 64);
+    }
+}
+
+static void values_rows_any(const Layer *L, const int32_t *blocks, int kvh, int num_keys,
+                            const float *weights, int padded, float *acc, float *total,
+                            float *row, int rows) {
+    const size_t cache_item = L->cache_dtype == DTYPE_BFLOAT16 ? 2 : 4;
+    const int dim = L->head_dim;
     memset(acc, 0, (size_t)rows * dim * sizeof(float));
     memset(total, 0, (size_t)rows * sizeof(float));
     for (int c = 0; c < num_keys; c++) {
         int64_t slot = slot_of(blocks, c, L->block_size);
+        if (c + PREFETCH_KEYS < num_keys)
+            prefetch_row(L->v_cache, slot_of(blocks, c + PREFETCH_KEYS, L->block_size), L, kvh,
+                         dim * cache_item);
         load_row(row, L->v_cache + (slot * L->num_kv_heads + kvh) * dim * cache_item,
                  L->cache_dtype, dim);
         for (int r = 0; r < rows; r++) {
@@ -171,14 +211,121 @@ static void attend_piece(const Layer *L, const int32_t *blocks, int first_token,
             total[r] += w;
         }
     }
+}
+
+/* Rows per group of `values_rows_fixed` for a head size (vectors of 16 per row): 16
+ * accumulator registers at most. */
+static inline int value_group(int dv) { return dv == 4 ? 4 : dv == 8 ? 2 : 0; }
+
+static void values_rows(const Layer *L, const int32_t *blocks, int kvh, int num_keys,
+                        const float *weights, int padded, float *acc, float *total,
+                        float *row, int rows) {
+    const int dv = L->head_dim / 16, group = value_group(dv), dim = L->head_dim;
+    if (group == 0) {
+        values_rows_any(L, blocks, kvh, num_keys, weights, padded, acc, total, row, rows);
+        return;
+    }
+    for (int r0 = 0; r0 < rows; r0 += group) {
+        const int n = rows - r0 < group ? rows - r0 : group;
+        const float *w = weights + (size_t)r0 * padded;
+        float *a = acc + (size_t)r0 * dim, *t = total + r0;
+#define VALUES(ROWS, DV) \
+    values_rows_fixed(L, blocks, kvh, num_keys, w, padded, a, t, row, ROWS, DV)
+        if (dv == 4) {
+            switch (n) {
+            case 1: VALUES(1, 4); break;
+            case 2: VALUES(2, 4); break;
+            case 3: VALUES(3, 4); break;
+            default: VALUES(4, 4); break;
+            }
+        } else {
+            if (n == 1) VALUES(1, 8);
+            else VALUES(2, 8);
+        }
+#undef VALUES
+    }
+}
+
+/* One work item: rows [row0, row0 + num_rows) of a piece's rows for one KV head; rows
+ * are (query j, head g) as j * group + g. `scratch` holds
+ * rows * (16 * KEY_BLOCK + 2 * head_dim + padded_keys + 1) + head_dim floats, 64-byte
+ * aligned (the Python side rounds each thread's share up to 16 floats). A row's arithmetic does
+ * not depend on which item or which other rows it shares an item with. */
+static void attend_rows(const Layer *L, const int32_t *blocks, int first_token, int first_pos,
+                        int tree_start, const int64_t *tree_bits, int kvh, int row0,
+                        int num_rows, float *scratch) {
+    const int group = L->num_heads / L->num_kv_heads, dim = L->head_dim;
+    const int rows = num_rows;
+    const int last_query = (row0 + rows - 1) / group;
+    const int num_keys = first_pos + last_query + 1; /* the last query sees them all */
+    const int padded = (num_keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
+    const size_t cache_item = L->cache_dtype == DTYPE_BFLOAT16 ? 2 : 4;
+    v16 *lanes = (v16 *)scratch; /* [rows, KEY_BLOCK]: scratch is 64-byte aligned */
+    float *qf = scratch + (size_t)rows * KEY_BLOCK * 16; /* [rows, dim] */
+    float *acc = qf + (size_t)rows * dim;         /* [rows, dim] */
+    float *weights = acc + (size_t)rows * dim;    /* [rows, padded] */
+    float *total = weights + (size_t)rows * padded; /* [rows] */
+    float *row = total + rows;                    /* [dim] one key or value */
+    for (int i = 0; i < rows; i++) {
+        const int j = (row0 + i) / group, g = (row0 + i) % group;
+        const char *src = L->q + (int64_t)(first_token + j) * L->q_token_stride +
+                          (int64_t)(kvh * group + g) * L->q_head_stride;
+        load_row(qf + (size_t)i * dim, src, L->q_dtype, dim);
+    }
+    /* scores: weights[r, c] = scale * q[r] . k[c], lanes summed 16 keys at a time
+     * (keys past num_keys score 0 here and are masked below) */
+    for (int c0 = 0; c0 < num_keys; c0 += KEY_BLOCK) {
+        const int n = num_keys - c0 < KEY_BLOCK ? num_keys - c0 : KEY_BLOCK;
+        for (int c = c0; c < c0 + n; c++) {
+            int64_t slot = slot_of(blocks, c, L->block_size);
+            if (c + PREFETCH_KEYS < num_keys)
+                prefetch_row(L->k_cache, slot_of(blocks, c + PREFETCH_KEYS, L->block_size), L,
+                             kvh, dim * cache_item);
+            load_row(row, L->k_cache + (slot * L->num_kv_heads + kvh) * dim * cache_item,
+                     L->cache_dtype, dim);
+            for (int r = 0; r < rows; r += 4) { /* up to four rows' chains at once */
+                const float *qr = qf + (size_t)r * dim;
+                v16 *out = lanes + r * KEY_BLOCK + (c - c0);
+                switch (rows - r) {
+                case 1: dot_rows(qr, row, dim, out, 1); break;
+                case 2: dot_rows(qr, row, dim, out, 2); break;
+                case 3: dot_rows(qr, row, dim, out, 3); break;
+                default: dot_rows(qr, row, dim, out, 4); break;
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            for (int c = n; c < KEY_BLOCK; c++) lanes[r * KEY_BLOCK + c] = (v16){0};
+            v16 scores = sum_lanes16(lanes + r * KEY_BLOCK) * L->scale;
+            memcpy(weights + (size_t)r * padded + c0, &scores, sizeof scores);
+        }
+    }
+    /* weights: exp(score - max) over the keys each row sees, exactly 0 elsewhere */
+    for (int i = 0; i < rows; i++) {
+        const int j = (row0 + i) / group;
+        const int64_t bits = tree_bits[first_token + j];
+        const int seen = first_pos + j + 1; /* causal: keys up to the query itself */
+        float *w = weights + (size_t)i * padded;
+        for (int c = 0; c < padded; c++) {
+            int m = c - tree_start;
+            int visible = c < seen && (bits == -1 || m < 0 ||
+                                       (m < MAX_TREE_TOKENS && ((bits >> m) & 1)));
+            w[c] = visible ? w[c] : -INFINITY;
+        }
+        float max = -INFINITY;
+        for (int c = 0; c < seen; c++) max = w[c] > max ? w[c] : max;
+        for (int c = 0; c < padded; c++) w[c] = exp_nonpositive(w[c] - max);
+    }
+    /* values, key by key in key order */
+    values_rows(L, blocks, kvh, num_keys, weights, padded, acc, total, row, rows);
     const size_t out_item = L->out_dtype == DTYPE_BFLOAT16 ? 2 : 4;
-    for (int r = 0; r < rows; r++) {
-        int j = r / group, g = r % group;
+    for (int i = 0; i < rows; i++) {
+        const int j = (row0 + i) / group, g = (row0 + i) % group;
         char *dst = L->out + ((int64_t)(first_token + j) * L->num_heads + kvh * group + g) *
                                  dim * out_item;
-        const float *a = acc + (size_t)r * dim;
+        const float *a = acc + (size_t)i * dim;
         for (int d = 0; d < dim; d++) {
-            float o = a[d] / total[r];
+            float o = a[d] / total[i];
             if (L->out_dtype == DTYPE_BFLOAT16)
                 ((uint16_t *)dst)[d] = float_to_bf16(o);
             else
@@ -209,7 +356,11 @@ void paged_attention_pieces(
                          (const char *)k_cache, (const char *)v_cache, cache_dtype,
                          num_heads, num_kv_heads, head_dim, block_size, scale,
                          (char *)out, out_dtype};
-    const int64_t items = (int64_t)num_pieces * num_kv_heads;
+    /* A work item: a piece, a KV head and a chunk of at most ROW_CHUNK of its rows, so a
+     * verification step's one piece still spreads over the threads. */
+    const int group = num_heads / num_kv_heads;
+    const int chunks = (PIECE_LEN_MAX * group + ROW_CHUNK - 1) / ROW_CHUNK;
+    const int64_t items = (int64_t)num_pieces * num_kv_heads * chunks;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
         int thread = 0;
@@ -217,9 +368,14 @@ void paged_attention_pieces(
         extern int omp_get_thread_num(void);
         thread = omp_get_thread_num();
 #endif
-        int p = (int)(item / num_kv_heads), kvh = (int)(item % num_kv_heads);
-        attend_piece(&layer, block_tables + (int64_t)piece_seq[p] * table_stride,
-                     piece_token[p], piece_queries[p], piece_first_pos[p],
-                     piece_tree_start[p], tree_bits, kvh, scratch + thread * scratch_floats);
+        const int chunk = (int)(item % chunks);
+        const int64_t head_item = item / chunks;
+        const int p = (int)(head_item / num_kv_heads), kvh = (int)(head_item % num_kv_heads);
+        const int rows = piece_queries[p] * group, row0 = chunk * ROW_CHUNK;
+        if (row0 >= rows) continue;
+        attend_rows(&layer, block_tables + (int64_t)piece_seq[p] * table_stride,
+                    piece_token[p], piece_first_pos[p], piece_tree_start[p], tree_bits, kvh,
+                    row0, rows - row0 < ROW_CHUNK ? rows - row0 : ROW_CHUNK,
+                    scratch + thread * scratch_floats);
     }
 }

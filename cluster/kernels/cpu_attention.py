@@ -142,7 +142,8 @@ def paged_attention_cpu(
     threads = max(1, torch.get_num_threads())
     rows = PIECE_LEN * heads // kv_heads
     padded_keys = -(-plan.max_keys // KEY_BLOCK) * KEY_BLOCK
-    scratch_floats = rows * (2 * head_dim + padded_keys + 1) + head_dim
+    scratch_floats = rows * (16 * KEY_BLOCK + 2 * head_dim + padded_keys + 1) + head_dim
+    scratch_floats = -(-scratch_floats // 16) * 16  # each thread's share 64-byte aligned
     scratch = torch.empty(threads * scratch_floats, dtype=torch.float32)
     item = q.element_size()
     lib.paged_attention_pieces(
