@@ -61,12 +61,14 @@ def test_a_row_is_the_same_bits_alone_in_a_batch_and_on_any_thread_count():
 
 
 @needs_kernel
-def test_zero_rows_and_a_mismatched_input_width():
+def test_zero_rows_and_bad_inputs():
     weight, _, x = _data(64, 64, rows=2, seed=1)
     packed = cpu_linear.pack(weight)
     assert cpu_linear.linear(x[:0], packed, None, 64).shape == (0, 64)
     with pytest.raises(ValueError, match="inputs"):
         cpu_linear.linear(torch.zeros(2, 66, dtype=torch.bfloat16), packed, None, 64)
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        cpu_linear.linear(x.float(), packed, None, 64)
     assert not cpu_linear.supports(torch.zeros(8, 65, dtype=torch.bfloat16))  # odd K
     assert not cpu_linear.supports(torch.zeros(8, 64))  # float32
 

@@ -86,6 +86,9 @@ def linear(
     rows, in_features = x.shape
     if packed.shape[1] * 2 != in_features:
         raise ValueError(f"x has {in_features} inputs, the weight {packed.shape[1] * 2}")
+    for name, t in (("x", x), ("bias", bias)):
+        if t is not None and t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be bfloat16 for the bfloat16 kernel, got {t.dtype}")
     out = x.new_empty(rows, out_features)
     if rows == 0:
         return out
