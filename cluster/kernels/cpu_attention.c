@@ -361,7 +361,10 @@ void paged_attention_pieces(
     const int group = num_heads / num_kv_heads;
     const int chunks = (PIECE_LEN_MAX * group + ROW_CHUNK - 1) / ROW_CHUNK;
     const int64_t items = (int64_t)num_pieces * num_kv_heads * chunks;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    /* Many pieces (a decode batch): a thread takes a whole piece at a time, all its KV
+     * heads' rows from the same cache lines; few: item by item, to spread them. */
+    const int grain = num_pieces >= 4 * num_threads ? num_kv_heads * chunks : 1;
+#pragma omp parallel for schedule(dynamic, grain) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
         int thread = 0;
 #ifdef _OPENMP
