@@ -24,6 +24,14 @@ from cluster.kernels import cpu_linear, packed_linear
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(
@@ -35,7 +43,7 @@ def main() -> None:
     if cpu_linear.load() is None or not packed_linear.cpu_can_pack_bf16():
         print("no AVX-512 BF16 or no oneDNN bfloat16 here: nothing to compare")
         return
-    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads\n")
+    print(f"{cpu_model()}, {torch.get_num_threads()} threads\n")
     print(
         "| weight (out x in) | rows | C kernel (ms) | oneDNN (ms) | oneDNN / C | C GB/s | same bits |"
     )
