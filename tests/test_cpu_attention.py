@@ -12,6 +12,7 @@ out as a chain.
 
 from __future__ import annotations
 
+import re
 from itertools import pairwise
 
 import pytest
@@ -26,6 +27,7 @@ from test_paged_attention_kernel import (
 
 from cluster.draft_tree import DraftTree
 from cluster.kernels import cpu_attention
+from cluster.kernels.attention_plan import PIECE_LEN
 from cluster.kernels.paged_attention import paged_attention_ref
 from cluster.models.attention import AttentionMetadata
 from cluster.worker.kv_cache import PagedKVCache
@@ -183,3 +185,16 @@ def test_a_failed_build_leaves_the_torch_path(monkeypatch, tmp_path):
             assert not cpu_attention.supports(q, k_cache)
     finally:
         cpu_attention.load.cache_clear()
+
+
+def test_the_kernels_constants_match_the_python_side():
+    with open(cpu_attention.__file__.replace(".py", ".c")) as f:
+        source = f.read()
+
+    def define(name: str) -> int:
+        return int(re.search(rf"#define {name} (\d+)", source).group(1))
+
+    # the kernel's work items cover a piece's queries only up to its PIECE_LEN_MAX
+    assert define("PIECE_LEN_MAX") == PIECE_LEN
+    assert define("ROW_CHUNK") == cpu_attention.ROW_CHUNK
+    assert define("KEY_BLOCK") == cpu_attention.KEY_BLOCK

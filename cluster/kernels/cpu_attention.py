@@ -29,6 +29,7 @@ from cluster.kernels.cpu_build import load_library
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 KEY_BLOCK = 16  # keys per block of scores in the kernel
+ROW_CHUNK = 8  # rows per work item in the kernel (its pieces hold at most PIECE_LEN queries)
 
 
 @functools.cache
@@ -140,7 +141,7 @@ def paged_attention_cpu(
     if plan.num_pieces == 0:
         return out
     threads = max(1, torch.get_num_threads())
-    rows = PIECE_LEN * heads // kv_heads
+    rows = min(ROW_CHUNK, PIECE_LEN * heads // kv_heads)  # one work item's
     padded_keys = -(-plan.max_keys // KEY_BLOCK) * KEY_BLOCK
     scratch_floats = rows * (16 * KEY_BLOCK + 2 * head_dim + padded_keys + 1) + head_dim
     scratch_floats = -(-scratch_floats // 16) * 16  # each thread's share 64-byte aligned
