@@ -37,14 +37,6 @@ static inline float bf16_to_float(uint16_t x) {
     return f;
 }
 
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 /* `n` values of `dtype` at `src` as float32 in `dst`. */
 static inline void load_row(float *restrict dst, const void *src, int dtype, int n) {
     if (dtype == DTYPE_BFLOAT16) {
@@ -78,6 +70,7 @@ static inline float exp_nonpositive(float x) {
 }
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
@@ -306,11 +299,14 @@ static void attend_rows(const Layer *L, const int32_t *blocks, int first_token, 
         const int64_t bits = tree_bits[first_token + j];
         const int seen = first_pos + j + 1; /* causal: keys up to the query itself */
         float *w = weights + (size_t)i * padded;
-        for (int c = 0; c < padded; c++) {
-            int m = c - tree_start;
-            int visible = c < seen && (bits == -1 || m < 0 ||
-                                       (m < MAX_TREE_TOKENS && ((bits >> m) & 1)));
-            w[c] = visible ? w[c] : -INFINITY;
+        if (bits == -1) { /* causal only: the keys past the query */
+            for (int c = seen; c < padded; c++) w[c] = -INFINITY;
+        } else {
+            for (int c = 0; c < padded; c++) {
+                int m = c - tree_start;
+                int visible = c < seen && (m < 0 || (m < MAX_TREE_TOKENS && ((bits >> m) & 1)));
+                w[c] = visible ? w[c] : -INFINITY;
+            }
         }
         float max = -INFINITY;
         for (int c = 0; c < seen; c++) max = w[c] > max ? w[c] : max;
@@ -324,12 +320,21 @@ static void attend_rows(const Layer *L, const int32_t *blocks, int first_token, 
         char *dst = L->out + ((int64_t)(first_token + j) * L->num_heads + kvh * group + g) *
                                  dim * out_item;
         const float *a = acc + (size_t)i * dim;
-        for (int d = 0; d < dim; d++) {
-            float o = a[d] / total[i];
-            if (L->out_dtype == DTYPE_BFLOAT16)
-                ((uint16_t *)dst)[d] = float_to_bf16(o);
-            else
-                ((float *)dst)[d] = o;
+        if (L->out_dtype == DTYPE_BFLOAT16) {
+            uint16_t *o = (uint16_t *)dst;
+            for (int d = 0; d < dim; d += 16) { /* to nearest even, as torch; NaN stays NaN */
+                v16 x;
+                memcpy(&x, a + d, sizeof x);
+                x = x / total[i];
+                v16u bits, lsb, nan;
+                memcpy(&bits, &x, sizeof bits);
+                lsb = (bits >> 16) & 1u;
+                nan = (bits & 0x7fffffffu) > 0x7f800000u; /* all ones where NaN */
+                bits = ((bits + 0x7fffu + lsb) & ~nan) | ((bits | 0x400000u) & nan);
+                for (int l = 0; l < 16; l++) o[d + l] = (uint16_t)(bits[l] >> 16);
+            }
+        } else {
+            for (int d = 0; d < dim; d++) ((float *)dst)[d] = a[d] / total[i];
         }
     }
 }
