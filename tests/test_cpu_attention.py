@@ -198,3 +198,24 @@ def test_the_kernels_constants_match_the_python_side():
     assert define("PIECE_LEN_MAX") == PIECE_LEN
     assert define("ROW_CHUNK") == cpu_attention.ROW_CHUNK
     assert define("KEY_BLOCK") == cpu_attention.KEY_BLOCK
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_what_the_reference_stores(dtype):
+    from cluster.kernels.paged_attention import write_kv_ref
+
+    gen = torch.Generator().manual_seed(11)
+    # k and v as the model hands them over: views into one projection's output
+    qkv = torch.randn(5, 3 * 2 * 16, generator=gen).to(dtype)
+    k, v = qkv[:, 32:64].view(5, 2, 16), qkv[:, 64:].view(5, 2, 16)
+    slots = torch.tensor([9, 0, 17, 3, 30], dtype=torch.int32)
+    caches = [torch.zeros(4, 8, 2, 16, dtype=dtype) for _ in range(4)]
+    assert cpu_attention.write_kv(k, v, caches[0], caches[1], slots)
+    write_kv_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(IndexError, match="slot"):
+        cpu_attention.write_kv(k, v, caches[0], caches[1], torch.tensor([0, 1, 2, 3, 32]))
+    assert torch.equal(caches[0], caches[2])  # nothing written
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    assert not cpu_attention.write_kv(k.to(other), v.to(other), caches[0], caches[1], slots)

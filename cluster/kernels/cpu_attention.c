@@ -339,6 +339,25 @@ static void attend_rows(const Layer *L, const int32_t *blocks, int first_token, 
     }
 }
 
+/* This step's keys and values into their cache slots: k, v [num_tokens, num_kv_heads,
+ * head_dim] with token and head strides in bytes (head_dim contiguous), in the cache's
+ * dtype; slots [num_tokens] int64, each in [0, num_slots) (else nothing is written and
+ * the result is -1). */
+int write_kv_slots(const char *k, int64_t k_token_stride, int64_t k_head_stride,
+                   const char *v, int64_t v_token_stride, int64_t v_head_stride,
+                   char *k_cache, char *v_cache, const int64_t *slots, int64_t num_tokens,
+                   int64_t num_slots, int num_kv_heads, int64_t row_bytes) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    for (int64_t t = 0; t < num_tokens; t++)
+        for (int h = 0; h < num_kv_heads; h++) {
+            const int64_t dst = (slots[t] * num_kv_heads + h) * row_bytes;
+            memcpy(k_cache + dst, k + t * k_token_stride + h * k_head_stride, row_bytes);
+            memcpy(v_cache + dst, v + t * v_token_stride + h * v_head_stride, row_bytes);
+        }
+    return 0;
+}
+
 /* Attention for a step's query tokens, cut into pieces.
  * q: [num_tokens, heads, head_dim] (strides in bytes; head_dim contiguous);
  * k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous;

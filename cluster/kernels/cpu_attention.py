@@ -49,6 +49,12 @@ def load() -> ctypes.CDLL | None:
         ptr, i32,  # out, dtype
         ptr, i64, i32,  # scratch, floats per thread, threads
     ]  # fmt: skip
+    lib.write_kv_slots.restype = i32
+    lib.write_kv_slots.argtypes = [
+        ptr, i64, i64, ptr, i64, i64,  # k, v and their token and head strides (bytes)
+        ptr, ptr, ptr, i64, i64,  # k_cache, v_cache, slots, tokens, slots in the cache
+        i32, i64,  # kv heads, row bytes
+    ]  # fmt: skip
     return lib
 
 
@@ -119,6 +125,41 @@ def plan_pieces(
         block_tables.to(torch.int32).contiguous(),
         max(seq_lens, default=1),
     )
+
+
+def write_kv(
+    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int, every entry >= 0
+) -> bool:
+    """Store this step's keys and values in their slots, as `write_kv_ref` does, in one
+    call; False (nothing written) where the kernel cannot (another dtype than the cache's,
+    a strided head dim), and the caller writes them instead."""
+    lib = load()
+    if (
+        lib is None
+        or k.dtype != k_cache.dtype
+        or v.dtype != v_cache.dtype
+        or k.stride(-1) != 1
+        or v.stride(-1) != 1
+        or k.shape != v.shape
+        or k_cache.shape[2:] != k.shape[1:]
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
+        return False
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    item = k.element_size()
+    status = lib.write_kv_slots(
+        k.data_ptr(), k.stride(0) * item, k.stride(1) * item,
+        v.data_ptr(), v.stride(0) * item, v.stride(1) * item,
+        k_cache.data_ptr(), v_cache.data_ptr(), slots.contiguous().data_ptr(),
+        k.shape[0], k_cache.shape[0] * k_cache.shape[1], k.shape[1], k.shape[2] * item,
+    )  # fmt: skip
+    if status != 0:
+        raise IndexError(f"a slot of slot_mapping is outside the cache's {k_cache.shape[0]} blocks")
+    return True
 
 
 def paged_attention_cpu(

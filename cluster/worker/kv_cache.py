@@ -104,7 +104,8 @@ class PagedKVCache:
                     meta.tree_starts,
                 ),
             )
-            write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+            if not cpu_attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping):
+                write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
             return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, pieces, scale)
         plan = meta.derived.get("attention_plan")  # index tensors shared by every layer
         if plan is None:
