@@ -9,11 +9,12 @@ also one call per layer where the torch path (`paged_attention_ref`, the referen
 tested against) runs a dozen small ops per group of pieces.
 
 The source is compiled once per machine (`cluster.kernels.cpu_build`; it uses vector
-extensions and `__builtin_shufflevector`, so gcc 12 or later, or clang). OpenMP runs the (piece,
-KV head) items on `torch.get_num_threads()` threads through the OpenMP runtime torch
-already loaded. Where no compiler is found or the build fails, `load()` returns None,
-logs why once, and the torch path runs instead. Supported: float32 and bfloat16 queries
-and caches.
+extensions and `__builtin_shufflevector`, so gcc 12 or later, or clang). OpenMP runs the
+(piece, KV head, row chunk) items on `torch.get_num_threads()` threads through the OpenMP
+runtime torch already loaded. Where no compiler is found or the build fails, `load()`
+returns None, logs why once, and the torch path runs instead. Supported: float32 and
+bfloat16 queries and caches. `write_kv` stores a step's keys and values in their cache slots in one call
+(`write_kv_ref`'s two index copies cost more than the attention of a decode row).
 """
 
 from __future__ import annotations
