@@ -23,3 +23,19 @@ def smollm2_path() -> str:
     from cluster.models.default_model import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture
+def failing_c_compiler(monkeypatch, tmp_path):
+    """Every C kernel build fails (a "compiler" that always fails, an empty kernel cache);
+    the kernels' cached `load()` results are cleared before and after."""
+    from cluster.kernels import cpu_attention, cpu_linear
+
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("CLUSTER_KERNEL_CACHE_DIR", str(tmp_path))
+    loads = (cpu_attention.load, cpu_linear.load)
+    for load in loads:
+        load.cache_clear()
+    yield
+    for load in loads:
+        load.cache_clear()

@@ -174,17 +174,11 @@ def test_the_engine_cache_runs_the_kernel_and_the_torch_backend_the_reference(mo
     torch.testing.assert_close(results["auto"], results["torch"], atol=ATOL, rtol=RTOL)
 
 
-def test_a_failed_build_leaves_the_torch_path(monkeypatch, tmp_path):
-    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    monkeypatch.setenv("CLUSTER_KERNEL_CACHE_DIR", str(tmp_path))
-    cpu_attention.load.cache_clear()
-    try:
-        assert cpu_attention.load() is None
-        q, k_cache = torch.zeros(1, 2, 16), torch.zeros(1, 4, 2, 16)
-        with torch.inference_mode():
-            assert not cpu_attention.supports(q, k_cache)
-    finally:
-        cpu_attention.load.cache_clear()
+def test_a_failed_build_leaves_the_torch_path(failing_c_compiler):
+    assert cpu_attention.load() is None
+    q, k_cache = torch.zeros(1, 2, 16), torch.zeros(1, 4, 2, 16)
+    with torch.inference_mode():
+        assert not cpu_attention.supports(q, k_cache)
 
 
 def test_the_kernels_constants_match_the_python_side():

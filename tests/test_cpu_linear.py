@@ -89,15 +89,9 @@ def test_packing_picks_the_kernel_only_where_it_reproduces_onednn():
         assert torch.equal(got, packed_linear.packed_product(x, onednn, bias, shape[0]))
 
 
-def test_a_failed_build_packs_for_onednn(monkeypatch, tmp_path):
-    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    monkeypatch.setenv("CLUSTER_KERNEL_CACHE_DIR", str(tmp_path))
-    cpu_linear.load.cache_clear()
-    try:
-        assert cpu_linear.load() is None
-        weight = torch.zeros(64, 64, dtype=torch.bfloat16)
-        assert not cpu_linear.supports(weight)
-        if packed_linear.cpu_can_pack_bf16():
-            assert packed_linear.pack_weight(weight).is_mkldnn
-    finally:
-        cpu_linear.load.cache_clear()
+def test_a_failed_build_packs_for_onednn(failing_c_compiler):
+    assert cpu_linear.load() is None
+    weight = torch.zeros(64, 64, dtype=torch.bfloat16)
+    assert not cpu_linear.supports(weight)
+    if packed_linear.cpu_can_pack_bf16():
+        assert packed_linear.pack_weight(weight).is_mkldnn

@@ -13,8 +13,9 @@ extensions and `__builtin_shufflevector`, so gcc 12 or later, or clang). OpenMP 
 (piece, KV head, row chunk) items on `torch.get_num_threads()` threads through the OpenMP
 runtime torch already loaded. Where no compiler is found or the build fails, `load()`
 returns None, logs why once, and the torch path runs instead. Supported: float32 and
-bfloat16 queries and caches. `write_kv` stores a step's keys and values in their cache slots in one call
-(`write_kv_ref`'s two index copies cost more than the attention of a decode row).
+bfloat16 queries and caches. `write_kv` stores a step's keys and values in their cache
+slots in one call (`write_kv_ref`'s two index copies cost more than a decode row's
+attention).
 """
 
 from __future__ import annotations
