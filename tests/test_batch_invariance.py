@@ -6,12 +6,16 @@ argmaxes: a request's greedy answer alone equals its answer inside a batch of 16
 caching on, so some of them start from another request's cached blocks), a decode step's
 logprobs are the same bits alone and in a 16-token step, and greedy speculation (n-gram,
 the shipped EAGLE-3 head, an MTP head, a draft tree) equals greedy decoding token for token.
+The compiled engine's answers are the eager engine's, token for token (its norms sum in
+eager's order, its casts round where eager rounds), and transformers' in bfloat16 up to
+the bfloat16 near-tie rule (tests/greedy_reference.py).
 """
 
 import os
 
 import pytest
-from greedy_reference import CHAT_QUESTIONS, chat_ids
+import torch
+from greedy_reference import CHAT_QUESTIONS, assert_greedy_equal, chat_ids, hf_greedy
 from random_heads import write_deepseek_mtp
 
 from cluster import LLM, SamplingParams
@@ -45,6 +49,16 @@ def baseline(smollm2_path):
         prompts = _chats(llm)
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_equals_transformers_in_bfloat16(smollm2_path, baseline):
+    from transformers import AutoModelForCausalLM
+
+    prompts, batched = baseline
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).eval()
+    for prompt, ours in zip(prompts, batched, strict=True):
+        ids = prompt["prompt_token_ids"]
+        assert_greedy_equal(hf, ids, ours, hf_greedy(hf, ids, NEW_TOKENS))
 
 
 def test_a_request_alone_equals_itself_in_a_batch_of_16(smollm2_path, baseline):
@@ -113,7 +127,8 @@ def test_greedy_speculation_equals_greedy_decoding_in_bfloat16(
 def test_the_compiled_engine_is_batch_invariant_too(smollm2_path, baseline):
     """One graph for every step (a symbolic token count), speculating with n-gram drafts:
     a request alone (decode and verification steps of its own) equals itself in a batch
-    of 8 (steps of up to 32 rows, verification and decode rows mixed)."""
+    of 8 (steps of up to 32 rows, verification and decode rows mixed), and equals the
+    eager engine's greedy answers without speculation, token for token."""
     from cluster.models.compiled import CompiledForward
 
     prompts = baseline[0][:8]
@@ -123,6 +138,7 @@ def test_the_compiled_engine_is_batch_invariant_too(smollm2_path, baseline):
         assert isinstance(target, CompiledForward) and target.options.dynamic
         batched = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert llm.get_metrics()["num_accepted_tokens"] > 0
+        assert [o.outputs[0].token_ids for o in batched] == baseline[1][:8]
         for i in (1, 4, 6):
             alone = llm.generate([prompts[i]], GREEDY, use_tqdm=False)[0]
             assert alone.outputs[0].token_ids == batched[i].outputs[0].token_ids, QUESTIONS[i]

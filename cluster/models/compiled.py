@@ -120,7 +120,13 @@ def compile_kwargs(device: torch.device, options: CompileOptions) -> dict[str, A
 
 
 def _cpu_settings(options: CompileOptions) -> dict[str, bool]:
-    return {"freezing": options.freeze, "cpp_wrapper": not options.freeze}
+    # emulate_precision_casts: round to bfloat16 between fused ops wherever eager rounds
+    # (rotary, SiLU-and-multiply, the norms' casts), so compiled rows equal eager rows.
+    return {
+        "freezing": options.freeze,
+        "cpp_wrapper": not options.freeze,
+        "emulate_precision_casts": True,
+    }
 
 
 class CompiledForward:
