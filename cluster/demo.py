@@ -1,4 +1,4 @@
-"""`cluster demo`: the default deployment, end to end, in about a minute on a laptop.
+"""`cluster demo`: the default deployment, end to end, in a few minutes on a laptop.
 
 Starts a local Ray, deploys `cluster/manifests/default.yaml` (SmolLM2-135M-Instruct with its
 shipped EAGLE-3 head), streams a few chat answers through the Serve handle, then deploys
@@ -83,7 +83,7 @@ def run_demo(
         for label, m in (("on", manifest), ("off", manifest.with_args(speculative=None))):
             compiling = os.environ.get("CLUSTER_COMPILE", "auto") != "off"
             note = (
-                " (each start compiles the model's forward: about a minute on 2 cores)"
+                " (the first start compiles the model's forward: 1-2 minutes on 2 cores)"
                 if compiling
                 else ""
             )

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.config.architectures import ROPE_TYPES
-from cluster.kernels.eager_sum_order import cpu_sum_width
 from cluster.kernels.rmsnorm import rms_norm
 
 
@@ -29,14 +28,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
-        # A compiled CPU forward sums the squares in eager's order (found here, outside
-        # any graph): compiled and eager norms then agree bit for bit.
-        self.sum_width = cpu_sum_width()
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm(x, self.weight, self.eps, residual, sum_width=self.sum_width)
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
