@@ -1,4 +1,5 @@
-"""Rejection-sampling throughput: the vectorised torch path against a per-request Python loop.
+"""Rejection-sampling throughput on chains: the vectorised torch path against a per-request
+Python loop (chains are trees of width one: the same kernel and torch path verify trees).
 
 Prints one table row per (vocab, batch, k): draft tokens verified per second (batch * k /
 seconds per call) for
@@ -26,11 +27,8 @@ from collections.abc import Callable
 
 import torch
 
-from cluster.kernels.rejection import (
-    RejectionInputs,
-    rejection_sample_loop,
-    rejection_sample_ref,
-)
+from cluster.kernels.rejection import rejection_sample_loop, rejection_sample_ref
+from cluster.kernels.rejection_inputs import RejectionInputs
 from cluster.sample.randomness import draw_inv_exponentials, draw_uniforms
 from cluster.sample.rejection import rejection_sample
 
@@ -92,21 +90,25 @@ def drawn_inputs(args_: tuple, greedy: torch.Tensor, k: int) -> RejectionInputs:
     needs = [not g for g in greedy.tolist()]
     device = target.device
     cu = torch.arange(len(num_draft) + 1, device=device) * k
+    parents = (torch.arange(k, device=device) - 1).repeat(len(num_draft))
     return RejectionInputs(
         draft_token_ids=drafts,
         cu_num_draft_tokens=cu,
-        draft_probs=draft_probs,
+        draft_parents=parents,
         target_probs=target,
+        target_row_starts=cu[:-1],
+        draft_probs=draft_probs,
+        has_draft_probs=None,
         bonus_token_ids=bonus,
         is_greedy=greedy,
         uniforms=draw_uniforms(num_draft, needs, {}, device),
         inv_exponentials=draw_inv_exponentials(needs, {}, target.shape[1], device),
-        max_spec_len=k,
+        max_depth=k,
     )
 
 
 def kernel_bytes(inputs: RejectionInputs, out: torch.Tensor) -> int:
-    """Bytes the Triton kernels must touch: per draft its id, p(d), q(d) and u; per rejected
+    """Bytes the Triton kernel must touch: per draft its id, p(d), q(d) and u; per rejected
     random request one row of p (and q) and of 1/E; the output."""
     per_draft = 8 + 4 + 8 + (0 if inputs.draft_probs is None else 4)
     rejected = int(((out != -1).sum(dim=1) <= inputs.num_draft_tokens).sum())
@@ -143,10 +145,10 @@ def main() -> None:
                 def public(backend: str, a=args_, g=greedy) -> torch.Tensor:
                     return rejection_sample(*a[:4], a[4], g, None, backend)
 
-                def loop(a=args_, g=greedy, k_=k) -> torch.Tensor:
+                def loop(a=args_, g=greedy, k_=k) -> object:
                     return rejection_sample_loop(drawn_inputs(a, g, k_))
 
-                def vectorised(a=args_, g=greedy, k_=k) -> torch.Tensor:
+                def vectorised(a=args_, g=greedy, k_=k) -> object:
                     return rejection_sample_ref(drawn_inputs(a, g, k_))
 
                 t_loop = seconds_per_call(loop, device, opts.min_time)
@@ -159,7 +161,7 @@ def main() -> None:
                     inputs = drawn_inputs(args_, greedy, k)
                     kernels = lambda i=inputs: rejection_sample_triton(i)  # noqa: E731
                     t_kernels = seconds_per_call(kernels, device, opts.min_time)
-                    gbps = kernel_bytes(inputs, kernels()) / t_kernels / 1e9
+                    gbps = kernel_bytes(inputs, kernels().token_ids) / t_kernels / 1e9
                     cells += [f"{n / t_triton:,.0f}", f"{n / t_kernels:,.0f}", f"{gbps:.0f}"]
                 print("| " + " | ".join(map(str, cells)) + " |", flush=True)
 

@@ -9,8 +9,9 @@ from tiny_models import make_tiny_chat_model
 from transformers import AutoTokenizer
 
 from cluster import LLM, SamplingParams
-from cluster.sample.metadata import MinTokens, SamplingMetadata, SpecDecodeMetadata
+from cluster.sample.metadata import MinTokens, SamplingMetadata
 from cluster.sample.processing import apply_min_tokens
+from cluster.sample.spec_metadata import SpecDecodeMetadata
 
 ENGINE = dict(dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4)
 STOP_ID = 1000
@@ -69,12 +70,10 @@ def test_a_verifying_row_counts_the_drafts_before_it():
     stop_mask = torch.zeros(1, 8, dtype=torch.bool)
     stop_mask[0, 3] = True
     min_tokens = MinTokens(stop_mask, torch.tensor([2]))
-    logits = torch.zeros(3, 8)
-    apply_min_tokens(logits, min_tokens, spec.draft_rows())
-    assert torch.isinf(logits[:, 3]).tolist() == [True, True, False]
-    bonus = torch.zeros(1, 8)
-    apply_min_tokens(bonus, min_tokens, spec.bonus_rows())
-    assert not torch.isinf(bonus).any()
+    logits = torch.zeros(4, 8)  # the rows of a chain: the root's, then each draft's
+    apply_min_tokens(logits, min_tokens, spec.tree_rows())
+    assert torch.isinf(logits[:, 3]).tolist() == [True, True, False, False]
+    assert torch.isinf(logits).sum() == 2
 
 
 def test_metadata_keeps_stops_out_only_while_outputs_are_few():

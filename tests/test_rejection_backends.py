@@ -1,4 +1,6 @@
-"""The Triton kernels, the vectorised torch path and the per-request loop agree.
+"""The Triton kernel, the vectorised torch path and the per-request loop agree on chains
+(the public `rejection_sample` layout: one row per draft, the bonus given); trees are in
+`test_tree_rejection.py`.
 
 Given the same random draws, all three must return identical tokens (greedy and random
 rows alike), on vocabularies that are not powers of two, with requests without drafts,
@@ -20,13 +22,9 @@ import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
+from cluster.kernels import rejection, rejection_triton
 from cluster.kernels.backend import use_triton
-from cluster.kernels.rejection import (
-    RejectionInputs,
-    rejection_sample_loop,
-    rejection_sample_ref,
-)
-from cluster.kernels.rejection_triton import rejection_sample_triton
+from cluster.kernels.rejection_inputs import RejectionInputs
 from cluster.sample.rejection import rejection_sample
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -43,6 +41,32 @@ def triton_runnable():
 def to_device(inputs: RejectionInputs) -> RejectionInputs:
     moved = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in vars(inputs).items()}
     return RejectionInputs(**moved)
+
+
+def chain_inputs(*, cu_num_draft_tokens, max_spec_len, **fields) -> RejectionInputs:
+    """Chains in `rejection_sample`'s layout: request i's rows are its drafts' (cu[i] on)."""
+    num_draft = (cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]).tolist()
+    parents = torch.tensor([p for n in num_draft for p in range(-1, n - 1)], dtype=torch.int64)
+    return RejectionInputs(
+        cu_num_draft_tokens=cu_num_draft_tokens,
+        draft_parents=parents,
+        target_row_starts=cu_num_draft_tokens[:-1],
+        has_draft_probs=None,
+        max_depth=max_spec_len,
+        **fields,
+    )
+
+
+def rejection_sample_ref(inputs: RejectionInputs) -> torch.Tensor:
+    return rejection.rejection_sample_ref(inputs).token_ids
+
+
+def rejection_sample_loop(inputs: RejectionInputs) -> torch.Tensor:
+    return rejection.rejection_sample_loop(inputs).token_ids
+
+
+def rejection_sample_triton(inputs: RejectionInputs) -> torch.Tensor:
+    return rejection_triton.rejection_sample_triton(inputs).token_ids
 
 
 def random_case(seed: int, batch: int, vocab: int, greedy: str, delta: bool) -> RejectionInputs:
@@ -69,7 +93,7 @@ def random_case(seed: int, batch: int, vocab: int, greedy: str, delta: bool) -> 
     cu = torch.zeros(batch + 1, dtype=torch.int64)
     cu[1:] = num_draft.cumsum(0)
     inv_exponentials = torch.empty(batch, vocab).exponential_(generator=gen).reciprocal_()
-    inputs = RejectionInputs(
+    inputs = chain_inputs(
         draft_token_ids=drafts,
         cu_num_draft_tokens=cu,
         draft_probs=draft_probs,
@@ -111,7 +135,7 @@ def test_cases_exercise_every_outcome():
 def test_residual_without_mass_falls_back_to_the_target():
     """p == q makes the residual empty; a forced rejection must then draw from p itself."""
     p = torch.tensor([[0.0, 0.25, 0.75, 0.0]])
-    inputs = RejectionInputs(
+    inputs = chain_inputs(
         draft_token_ids=torch.tensor([2]),
         cu_num_draft_tokens=torch.tensor([0, 1]),
         draft_probs=p.clone(),
@@ -137,7 +161,7 @@ def test_accept_boundary_is_identical(delta):
     ratio = float(p[0, 1]) if delta else float(p[0, 1]) / 0.5  # u at the boundary, exact
     below = float(np.nextafter(ratio, 0.0))
     inputs = to_device(
-        RejectionInputs(
+        chain_inputs(
             draft_token_ids=torch.tensor([1, 1]),
             cu_num_draft_tokens=torch.tensor([0, 1, 2]),
             draft_probs=None if delta else q.repeat(2, 1),

@@ -4,7 +4,8 @@ and without the interpreter, the Triton backend on CPU tensors fails with a clea
 The interpreter runs kernels as Python, so it misses errors only the compiler sees (types
 carried through loops, scalar branches). This compiles every kernel variant to PTX in a
 subprocess without TRITON_INTERPRET, and checks that the PTX has no fused multiply-add and
-no division: every float operation is then correctly rounded, as on the CPU, which is what
+no division but float64's correctly rounded `div.rn.f64`: every float operation is then
+correctly rounded, as on the CPU, which is what
 lets the kernels match the torch path bit for bit.
 """
 
@@ -24,26 +25,17 @@ from triton.compiler import ASTSource
 from cluster.kernels import rejection_triton as r
 
 i64, f32, f64, b1 = "*i64", "*fp32", "*fp64", "*i1"
-common = {"num_accepted_ptr": i64, "cu_num_draft_ptr": i64, "draft_ptr": i64,
-          "draft_probs_ptr": f32, "draft_stride": "i64", "target_probs_ptr": f32,
-          "target_stride": "i64"}
+signature = {"out_ptr": i64, "out_stride": "i64", "nodes_ptr": i64, "nodes_stride": "i64",
+    "cu_num_draft_ptr": i64, "draft_ptr": i64, "parent_ptr": i64, "target_probs_ptr": f32,
+    "target_stride": "i64", "row_start_ptr": i64, "argmax_ptr": i64, "draft_probs_ptr": f32,
+    "draft_stride": "i64", "has_draft_probs_ptr": b1, "bonus_ptr": i64, "is_greedy_ptr": b1,
+    "uniforms_ptr": f64, "inv_exp_ptr": f32, "inv_exp_stride": "i64", "scratch_p_ptr": f32,
+    "scratch_q_ptr": f32, "scratch_stride": "i64", "vocab_size": "i32",
+    "HAS_DRAFT_PROBS": "constexpr", "HAS_BONUS": "constexpr", "BLOCK": "constexpr"}
 kernels = [
-    ("_greedy_verify_kernel", {"out_ptr": i64, "out_stride": "i64", "cu_num_draft_ptr": i64,
-     "draft_ptr": i64, "target_argmax_ptr": i64, "bonus_ptr": i64, "is_greedy_ptr": b1}, {}),
-    ("_recover_place_kernel", {"out_ptr": i64, "out_stride": "i64", "score_ptr": f32,
-     "token_ptr": i64, "fallback_score_ptr": f32, "fallback_token_ptr": i64,
-     "num_accepted_ptr": i64, "cu_num_draft_ptr": i64, "is_greedy_ptr": b1, "num_chunks": "i32",
-     "CHUNKS_POW2": "constexpr"}, {"CHUNKS_POW2": 32}),
+    ("_verify_kernel", signature, {"HAS_DRAFT_PROBS": q, "HAS_BONUS": bonus, "BLOCK": 4096})
+    for q in (True, False) for bonus in (True, False)
 ]
-for delta in (True, False):
-    kernels.append(("_random_verify_kernel", {"out_ptr": i64, "out_stride": "i64", **common,
-        "uniforms_ptr": f64, "bonus_ptr": i64, "is_greedy_ptr": b1,
-        "NO_DRAFT_PROBS": "constexpr"}, {"NO_DRAFT_PROBS": delta}))
-    kernels.append(("_recover_partial_kernel", {"score_ptr": f32, "token_ptr": i64,
-        "fallback_score_ptr": f32, "fallback_token_ptr": i64, **common, "inv_exp_ptr": f32,
-        "inv_exp_stride": "i64", "is_greedy_ptr": b1, "vocab_size": "i32", "num_chunks": "i32",
-        "NO_DRAFT_PROBS": "constexpr", "CHUNK": "constexpr"},
-        {"NO_DRAFT_PROBS": delta, "CHUNK": 4096}))
 report = []
 for name, signature, constants in kernels:
     names = list(signature)
@@ -51,8 +43,11 @@ for name, signature, constants in kernels:
     assert names == fn.arg_names, (name, names, fn.arg_names)
     constexprs = {(names.index(c),): v for c, v in constants.items()}
     ptx = compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    # float64 division is div.rn (correctly rounded); any other division is approximate
     report.append({"kernel": name, "constants": constants,
-                   "fma": len(re.findall(r"\bfma\.", ptx)), "div": len(re.findall(r"\bdiv\.", ptx))})
+                   "fma": len(re.findall(r"\bfma\.", ptx)),
+                   "div": len(re.findall(r"\bdiv\.(?!rn\.f64)", ptx)),
+                   "div_rn_f64": len(re.findall(r"\bdiv\.rn\.f64", ptx))})
 print(json.dumps(report))
 """
 
@@ -72,9 +67,10 @@ def test_kernels_compile_for_sm90_without_fma_or_division(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(report) == 6  # two kernels, plus two more in both draft modes
+    assert len(report) == 4  # with and without draft probabilities and a given bonus
     for entry in report:
         assert entry["fma"] == 0 and entry["div"] == 0, entry
+    assert any(entry["div_rn_f64"] for entry in report)  # the residual's normalisation
 
 
 NO_INTERPRETER = r"""

@@ -116,13 +116,12 @@ def plain_processed(logits_row, params, history, prompt) -> tuple[SamplingMetada
 def test_every_position_is_processed_like_the_plain_sampler():
     params, drafts, prompts, outputs, spec, logits = random_batch(0, batch=12, vocab=30)
     md = metadata(params, 30, outputs, prompts)
-    verified = process_logits(logits[spec.target_logits_indices], md, spec.draft_rows())
-    bonus = process_logits(logits[spec.bonus_logits_indices], md, spec.bonus_rows())
+    processed = process_logits(logits[spec.tree_logits_indices()], md, spec.tree_rows())
     start = 0
     for i, p in enumerate(params):
         n = len(drafts[i])
-        ours = [*verified[start : start + n], bonus[i]]  # what the RejectionSampler uses
-        start += n
+        ours = processed[start : start + n + 1]  # what the RejectionSampler uses
+        start += n + 1
         for j, row in enumerate(request_rows(spec, i)):
             _, plain = plain_processed(logits[row], p, outputs[i] + drafts[i][:j], prompts[i])
             assert torch.equal(plain[0], ours[j])
@@ -202,7 +201,7 @@ def test_mixed_greedy_and_random_batch_stays_finite_and_in_range(backend):
     logits = 40 * torch.randn(sum(map(len, drafts)) + 8, 50, generator=gen)  # very peaked
     md = metadata(params, 50)
     probs = torch.softmax(
-        process_logits(logits[spec.target_logits_indices], md, spec.draft_rows()), 1
+        process_logits(logits[spec.tree_logits_indices()], md, spec.tree_rows()), 1
     )
     assert bool(torch.isfinite(probs).all())
     out = RejectionSampler(backend=backend)(logits, spec, md).token_ids

@@ -1,25 +1,30 @@
-"""Rejection sampling: the maths in plain torch (the vectorised CPU path
-and the oracle for the Triton kernels in `rejection_triton.py`), and `run_rejection`,
-which runs one or the other. The sampler that builds the inputs is
-`cluster/sample/rejection.py`.
+"""Rejection sampling of draft trees (a chain is a tree of width one): the maths in plain
+torch (the vectorised CPU path and the oracle of the Triton kernel in
+`rejection_triton.py`), and `run_rejection`, which runs one or the other. The sampler that
+builds the inputs is `cluster/sample/rejection.py`.
 
-Glossary (Leviathan et al., arXiv:2211.17192, Algorithm 1 and Appendix A.1):
-- draft tokens: proposed by the drafter; request `i` owns `draft_token_ids[cu[i]:cu[i + 1]]`.
-- accepted tokens: the longest prefix of a request's drafts that passes verification. A
-  greedy draft passes when it equals the target argmax; a random draft `d` passes when
-  `u * q(d) < p(d)` with `u ~ U[0, 1)` and `q(d) > 0` (`q(d) = 1` when drafts are deltas),
-  i.e. with probability `min(1, p(d) / q(d))`.
-- recovered token: written at the first rejected position. Greedy: the target argmax.
-  Random: a draw from the residual `max(p - q, 0)` (delta drafts: `p` with the draft
-  removed), taken as `argmax(residual / E)` with `E ~ Exp(1)` per token, which samples
-  proportionally to the residual without normalising it. If rounding leaves the residual
-  without mass, the draw falls back to `p` itself.
-- bonus token: sampled elsewhere from the position after the last draft; written only when
-  every draft of the request was accepted.
+Glossary (Leviathan et al., arXiv:2211.17192; the recursive rule for trees of SpecInfer /
+EAGLE / Jeon et al. 2024):
+- draft tokens: proposed by the drafter, as a tree per request (`rejection_inputs.py`).
+- the walk: from the root, the target's distribution `P` at the current node tries the
+  node's children in order. A random request accepts child x when `q(x) > 0` and
+  `u * q(x) < P(x)`, `u ~ U[0, 1)` (`q` the distribution x was drawn from, or a point mass
+  on x for delta drafts), i.e. with probability `min(1, P(x) / q(x))`. On rejection,
+  `P <- normalise(max(P - q, 0))` (delta: `P` without x) and `q <- normalise(q without x)`,
+  and the next sibling is tried against those. An accepted child becomes the current node.
+  A greedy request accepts the first child equal to the argmax of its target row.
+- recovered token: when every child of the current node is rejected, a draw from `P` as it
+  stands (the residual), taken as `argmax(P / E)` with `E ~ Exp(1)` per token (the
+  exponential race: no normalisation needed). Greedy: the argmax. If rounding leaves a
+  residual without mass, the draw falls back to `P` before it.
+- bonus token: at a leaf (no child to try), a draw from the leaf's row; or, when the caller
+  sampled it already (`bonus_token_ids`), that token.
 - output tokens: accepted + (recovered | bonus), then PLACEHOLDER_TOKEN_ID to the row's end.
 
-Randomness is an input (`RejectionInputs.uniforms`, `.inv_exponentials`), so this module,
-the per-request loop below and the Triton kernels return identical tokens for the same draws.
+Sums over the vocabulary (the residual's normaliser) are float64, so the torch path and the
+kernel, which add in different orders, agree except within ~1e-16 of a decision. Randomness
+is an input (`uniforms`, `inv_exponentials`), so this module, the per-request loop below
+and the Triton kernel return the same tokens for the same draws.
 """
 
 from __future__ import annotations
@@ -27,139 +32,226 @@ from __future__ import annotations
 import torch
 
 from cluster.kernels.backend import use_triton
-from cluster.kernels.rejection_inputs import PLACEHOLDER_TOKEN_ID, RejectionInputs
+from cluster.kernels.rejection_inputs import PLACEHOLDER_TOKEN_ID, RejectionInputs, RejectionOutput
 
-_BLOCK_ELEMENTS = 2**18  # floats per block of rows in the race (1 MiB)
-
-
-def rejection_sample_ref(inputs: RejectionInputs) -> torch.Tensor:
-    """Vectorised torch rejection sampling -> [batch, max_spec_len + 1] int64."""
-    x = inputs
-    batch, width, device = x.batch_size, x.max_spec_len + 1, x.target_probs.device
-    out = torch.full((batch, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
-    if x.num_tokens == 0:
-        out[:, 0] = x.bonus_token_ids
-        return out
-    num_draft = x.num_draft_tokens  # [batch]
-    request = torch.repeat_interleave(torch.arange(batch, device=device), num_draft)
-    position = torch.arange(x.num_tokens, device=device) - x.cu_num_draft_tokens[request]
-
-    accepted = _accepted_mask(x, request)  # [num_tokens]
-    # Mark every rejection, plus a sentinel just past each request's last draft: the first
-    # mark in a row is the number of accepted drafts.
-    rejected = torch.zeros(batch, width, dtype=torch.int8, device=device)
-    rejected[request, position] = (~accepted).to(torch.int8)
-    rows = torch.arange(batch, device=device)
-    rejected[rows, num_draft] = 1
-    num_accepted = rejected.argmax(dim=1)  # [batch]; argmax returns the first maximum
-
-    drafts = torch.full_like(out, PLACEHOLDER_TOKEN_ID)
-    drafts[request, position] = x.draft_token_ids
-    columns = torch.arange(width, device=device)
-    out = torch.where(columns < num_accepted[:, None], drafts, out)
-    last = torch.where(num_accepted < num_draft, _recovered(x, num_accepted), x.bonus_token_ids)
-    out[rows, num_accepted] = last
-    return out
+_RACE_BLOCK_ELEMENTS = 2**18  # floats per block of rows in the race (1 MiB)
 
 
-def _accepted_mask(x: RejectionInputs, request: torch.Tensor) -> torch.Tensor:
-    """[num_tokens] bool: whether each draft passes its own test (greedy or random)."""
-    token_is_greedy = x.is_greedy[request]  # [num_tokens]
-    accepted = torch.zeros_like(token_is_greedy)
-    if bool(token_is_greedy.any()):
-        accepted = token_is_greedy & (x.draft_token_ids == x.target_probs.argmax(dim=1))
-    if x.has_random_drafts():
-        assert x.uniforms is not None, "random drafts need uniforms"
-        draft = x.draft_token_ids[:, None]  # [num_tokens, 1]
-        p = x.target_probs.gather(1, draft).squeeze(1).double()
-        if x.draft_probs is None:
-            q = torch.ones_like(p)
-        else:
-            q = x.draft_probs.gather(1, draft).squeeze(1).double()
-        passes = (q > 0) & (x.uniforms * q < p)
-        accepted = torch.where(token_is_greedy, accepted, passes)
-    return accepted
-
-
-def _recovered(x: RejectionInputs, num_accepted: torch.Tensor) -> torch.Tensor:
-    """[batch] the recovered token of each request with a rejection (others: a placeholder).
-
-    Reads one row per rejecting request: the target (and draft) row of its first rejection.
-    """
-    rejected = num_accepted < x.num_draft_tokens  # [batch]
-    recovered = torch.full_like(num_accepted, PLACEHOLDER_TOKEN_ID)
-    row = x.cu_num_draft_tokens[:-1] + num_accepted  # [batch], valid where rejected
-    greedy = (rejected & x.is_greedy).nonzero().squeeze(1)
-    if greedy.numel():
-        recovered[greedy] = x.target_probs.index_select(0, row[greedy]).argmax(dim=1)
-    random = (rejected & ~x.is_greedy).nonzero().squeeze(1)
-    if random.numel() == 0:
-        return recovered
-    assert x.inv_exponentials is not None, "random drafts need exponentials"
-    # Rows are gathered with index_select: advanced indexing is several times slower on CPU.
-    everyone = random.numel() == x.batch_size  # common with many drafts: no copy of the draws
-    inv = x.inv_exponentials if everyone else x.inv_exponentials.index_select(0, random)
-    step = max(1, _BLOCK_ELEMENTS // x.vocab_size)  # rows per block: temporaries stay in cache
-    for start in range(0, random.numel(), step):
-        block = random[start : start + step]
-        rows = row[block]
-        p = x.target_probs.index_select(0, rows)
-        q = None if x.draft_probs is None else x.draft_probs.index_select(0, rows)
-        race = exponential_race(p, x.draft_token_ids[rows], q, inv[start : start + step])
-        recovered[block] = race
-    return recovered
-
-
-def exponential_race(
-    p: torch.Tensor,  # [n, vocab] target probabilities at the rejected positions
-    draft: torch.Tensor,  # [n] the rejected draft tokens
-    q: torch.Tensor | None,  # [n, vocab] draft probabilities, None for delta drafts
-    inv_exponentials: torch.Tensor,  # [n, vocab] 1 / E, E ~ Exp(1)
+def residual(
+    p: torch.Tensor,  # [n, vocab] float32, the current target distributions
+    q: torch.Tensor | None,  # [n, vocab] float32 the drafts' distributions, None: deltas
+    full: torch.Tensor,  # [n] bool: whose row of q is real (the others are point masses)
+    token: torch.Tensor,  # [n] int64 the rejected draft
 ) -> torch.Tensor:
-    """[n] a draw from the residual of each row (`p` itself where the residual is empty)."""
-    if q is None:  # residual = p without the draft: zero the draft's score
-        scores = (p * inv_exponentials).scatter_(1, draft[:, None], 0.0)
-    else:
-        scores = (p - q).clamp_min_(0.0).mul_(inv_exponentials)
-    best, token = scores.max(dim=1)  # max returns the first maximum, like argmax
+    """[n, vocab] float32, unnormalised: max(p - q, 0), or p without `token` for deltas."""
+    without = p.scatter(1, token[:, None], 0.0)
+    if q is None:
+        return without
+    return torch.where(full[:, None], (p - q).clamp_min(0.0), without)
+
+
+def after_rejection(
+    p: torch.Tensor, q: torch.Tensor | None, full: torch.Tensor, token: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The (p, q) the next sibling is tried against: both renormalised (float64 sums),
+    each kept as it was where nothing would be left."""
+    r = residual(p, q, full, token)
+    total = r.double().sum(dim=1, keepdim=True)
+    p_next = torch.where(total > 0, (r.double() / total).float(), p)
+    if q is None:
+        return p_next, None
+    rest = q.scatter(1, token[:, None], 0.0)
+    left = rest.double().sum(dim=1, keepdim=True)
+    return p_next, torch.where(left > 0, (rest.double() / left).float(), q)
+
+
+def race(
+    p: torch.Tensor,  # [n, vocab] float32, the current target distributions
+    r: torch.Tensor,  # [n, vocab] float32, what to draw from (p, or a residual of it)
+    inv_exponentials: torch.Tensor,  # [n, vocab] float32 1 / E
+) -> torch.Tensor:
+    """[n] argmax(r / E), or argmax(p / E) where r has no mass (first maximum wins)."""
+    best, token = (r * inv_exponentials).max(dim=1)
     empty = best <= 0
-    if bool(empty.any()):  # rounding left no residual mass: race over p instead
+    if bool(empty.any()):
         token = torch.where(empty, (p * inv_exponentials).argmax(dim=1), token)
     return token
 
 
-def rejection_sample_loop(inputs: RejectionInputs) -> torch.Tensor:
-    """The per-request Python loop: the readable specification and the benchmark's baseline."""
-    x = inputs
-    out = torch.full((x.batch_size, x.max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
+def rejection_sample_ref(x: RejectionInputs) -> RejectionOutput:
+    """Vectorised over requests; one pass over node indices (a child comes after its parent,
+    so the walk visits every node it needs in index order)."""
+    batch, device, vocab = x.batch_size, x.target_probs.device, x.vocab_size
+    num_draft = x.num_draft_tokens.tolist()
+    starts = x.cu_num_draft_tokens[:-1]
+    greedy = x.is_greedy
+    full = x.request_has_draft_probs()
+    argmax = _target_argmax(x)
+    cur = torch.full((batch,), -1, dtype=torch.int64, device=device)  # the current node
+    tried = torch.zeros(batch, dtype=torch.bool, device=device)  # a child of cur was rejected
+    pending = torch.full_like(cur, -1)  # a rejected child whose residual is not yet in p
+    in_scratch = torch.zeros_like(tried)  # p (and q) of cur are the scratch rows
+    scratch_p = scratch_q = None
+    depth = torch.zeros_like(cur)
+    accepted = torch.full((batch, x.max_depth), -1, dtype=torch.int64, device=device)
+    out = torch.full(
+        (batch, x.max_depth + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device
+    )
+    rows = torch.arange(batch, device=device)
+    last_row = max(x.target_probs.shape[0] - 1, 0)
+    for j in range(max(num_draft, default=0)):
+        node = (starts + j).clamp(max=max(x.num_tokens - 1, 0))  # [batch] flat node index
+        active = (x.num_draft_tokens > j) & (x.draft_parents[node] == cur)
+        if not bool(active.any()):
+            continue
+        token = x.draft_token_ids[node]
+        row = (x.target_row_starts + cur + 1).clamp(max=last_row)  # (valid where active)
+        accept = active & greedy & (token == argmax[row])
+        chance = active & ~greedy
+        if bool(chance.any()):
+            late = chance & (pending >= 0)
+            if bool(late.any()):  # a sibling after a rejection: fold the residual into p
+                if scratch_p is None:
+                    scratch_p = torch.zeros(batch, vocab, device=device)
+                    scratch_q = None if x.draft_probs is None else torch.zeros_like(scratch_p)
+                b = late.nonzero().squeeze(1)
+                p, q = _current(x, b, row, pending, in_scratch, scratch_p, scratch_q)
+                p, q = after_rejection(p, q, full[b], x.draft_token_ids[pending[b]])
+                scratch_p[b] = p
+                if q is not None:
+                    scratch_q[b] = q
+                in_scratch[b], pending[b] = True, -1
+            p_x = torch.where(
+                in_scratch,
+                _at(scratch_p, token) if scratch_p is not None else 0.0,
+                x.target_probs[row, token],
+            ).double()
+            q_x = torch.ones_like(p_x)
+            if x.draft_probs is not None:
+                q_now = torch.where(
+                    in_scratch,
+                    _at(scratch_q, token) if scratch_q is not None else 0.0,
+                    x.draft_probs[node, token],
+                ).double()
+                q_x = torch.where(full, q_now, q_x)
+            accept |= chance & (q_x > 0) & (x.uniforms[node] * q_x < p_x)
+        accepted[rows[accept], depth[accept]] = j
+        out[rows[accept], depth[accept]] = token[accept]
+        depth += accept.long()
+        cur = torch.where(accept, j, cur)
+        rejected = active & ~accept
+        tried = (tried | rejected) & ~accept
+        pending = torch.where(accept, -1, torch.where(rejected & ~greedy, node, pending))
+        in_scratch &= ~accept
+    out[rows, depth] = _final(x, cur, tried, pending, in_scratch, scratch_p, scratch_q, argmax)
+    return RejectionOutput(out, accepted)
+
+
+def _target_argmax(x: RejectionInputs) -> torch.Tensor:
+    """[max(num_rows, 1)] the argmax of every target row when some request is greedy (else
+    zeros)."""
+    if bool(x.is_greedy.any()) and x.target_probs.shape[0]:
+        return x.target_probs.argmax(dim=1)
+    return torch.zeros(
+        max(x.target_probs.shape[0], 1), dtype=torch.int64, device=x.target_probs.device
+    )
+
+
+def _at(table: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    return table.gather(1, token[:, None]).squeeze(1)
+
+
+def _current(x, b, row, pending, in_scratch, scratch_p, scratch_q):
+    """The (p, q) rows requests `b` stand at: their scratch rows, or the target row of their
+    current node and the draft row of its children."""
+    base_p = x.target_probs.index_select(0, row[b])
+    stored = in_scratch[b][:, None]
+    p = base_p if scratch_p is None else torch.where(stored, scratch_p[b], base_p)
+    if x.draft_probs is None or x.num_tokens == 0:
+        return p, None
+    base_q = x.draft_probs.index_select(0, pending[b])
+    q = base_q if scratch_q is None else torch.where(stored, scratch_q[b], base_q)
+    return p, q
+
+
+def _final(x, cur, tried, pending, in_scratch, scratch_p, scratch_q, argmax) -> torch.Tensor:
+    """[batch] the token after the accepted path: bonus, recovered or drawn at a leaf."""
+    row = (x.target_row_starts + cur + 1).clamp(max=max(x.target_probs.shape[0] - 1, 0))
+    leaf_bonus = ~tried & (x.bonus_token_ids is not None)  # (then the leaf's row may not exist)
+    final = torch.where(leaf_bonus, _bonus_or_zero(x), argmax[row.clamp(max=argmax.shape[0] - 1)])
+    random = (~x.is_greedy & ~leaf_bonus).nonzero().squeeze(1)
+    full = x.request_has_draft_probs()
+    step = max(1, _RACE_BLOCK_ELEMENTS // x.vocab_size)  # rows per block: stays in cache
+    for lo in range(0, random.numel(), step):
+        b = random[lo : lo + step]
+        pend = pending[b]
+        p, q = _current(x, b, row, pending.clamp(min=0), in_scratch, scratch_p, scratch_q)
+        r = p
+        if bool((pend >= 0).any()):
+            token = x.draft_token_ids[pend.clamp(min=0)]
+            r = torch.where((pend >= 0)[:, None], residual(p, q, full[b], token), p)
+        final[b] = race(p, r, x.inv_exponentials.index_select(0, b))
+    return final
+
+
+def _bonus_or_zero(x: RejectionInputs) -> torch.Tensor:
+    if x.bonus_token_ids is None:
+        return torch.zeros_like(x.cu_num_draft_tokens[1:])
+    return x.bonus_token_ids
+
+
+def rejection_sample_loop(x: RejectionInputs) -> RejectionOutput:
+    """The per-request walk, one child at a time: the readable specification."""
+    out = torch.full((x.batch_size, x.max_depth + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
+    accepted = torch.full((x.batch_size, x.max_depth), -1, dtype=torch.int64)
     cu = x.cu_num_draft_tokens.tolist()
-    drafts = x.draft_token_ids.tolist()
+    full_q = x.request_has_draft_probs().tolist()
     for i in range(x.batch_size):
-        greedy = bool(x.is_greedy[i])
-        for j, t in enumerate(range(cu[i], cu[i + 1])):
-            p = x.target_probs[t]  # [vocab]
+        greedy, full = bool(x.is_greedy[i]), torch.tensor([full_q[i]])
+        drafts = x.draft_token_ids[cu[i] : cu[i + 1]].tolist()
+        parents = x.draft_parents[cu[i] : cu[i + 1]].tolist()
+        node, path, residual_of = -1, [], None  # residual_of: the last rejected child
+        p = q = None
+        for j, (token, parent) in enumerate(zip(drafts, parents, strict=True)):
+            if parent != node:
+                continue
+            row = int(x.target_row_starts[i]) + node + 1
+            if p is None:  # first child tried at this node
+                p = x.target_probs[row : row + 1]
+                q = None if x.draft_probs is None else x.draft_probs[cu[i] + j : cu[i] + j + 1]
+            elif not greedy:  # a sibling after a rejection
+                p, q = after_rejection(p, q, full, torch.tensor([drafts[residual_of]]))
             if greedy:
-                token = int(p.argmax())
-                out[i, j] = token
-                if token != drafts[t]:
-                    break
-                continue
-            q = 1.0 if x.draft_probs is None else float(x.draft_probs[t, drafts[t]])
-            if q > 0 and float(x.uniforms[t]) * q < float(p[drafts[t]]):
-                out[i, j] = drafts[t]
-                continue
-            q_row = None if x.draft_probs is None else x.draft_probs[t : t + 1]
-            draft = x.draft_token_ids[t : t + 1]
-            inv = x.inv_exponentials[i : i + 1]
-            out[i, j] = int(exponential_race(p[None], draft, q_row, inv)[0])
-            break
+                ok = token == int(p.argmax())
+            else:
+                q_x = float(q[0, token]) if q is not None and full_q[i] else 1.0
+                ok = q_x > 0 and float(x.uniforms[cu[i] + j]) * q_x < float(p[0, token])
+            if ok:
+                path.append(j)
+                node, p, q, residual_of = j, None, None, None
+            else:
+                residual_of = j
+        row = int(x.target_row_starts[i]) + node + 1
+        if residual_of is None and x.bonus_token_ids is not None:
+            final = int(x.bonus_token_ids[i])
+        elif greedy:
+            final = int(x.target_probs[row].argmax())
         else:
-            out[i, cu[i + 1] - cu[i]] = int(x.bonus_token_ids[i])
-    return out.to(x.target_probs.device)
+            if p is None:
+                p = x.target_probs[row : row + 1]
+            r = p
+            if residual_of is not None:
+                r = residual(p, q, full, torch.tensor([drafts[residual_of]]))
+            final = int(race(p, r, x.inv_exponentials[i : i + 1])[0])
+        tokens = [drafts[n] for n in path] + [final]
+        out[i, : len(tokens)] = torch.tensor(tokens)
+        accepted[i, : len(path)] = torch.tensor(path, dtype=torch.int64)
+    device = x.target_probs.device
+    return RejectionOutput(out.to(device), accepted.to(device))
 
 
-def run_rejection(inputs: RejectionInputs, backend: str = "auto") -> torch.Tensor:
-    """[batch, max_spec_len + 1] int64 output tokens, PLACEHOLDER_TOKEN_ID after the last."""
+def run_rejection(inputs: RejectionInputs, backend: str = "auto") -> RejectionOutput:
+    """Verify every request's drafts with the Triton kernel or the torch path."""
     if use_triton(backend, inputs.target_probs.device):
         from cluster.kernels.rejection_triton import rejection_sample_triton
 

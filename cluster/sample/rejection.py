@@ -1,18 +1,20 @@
-"""Lossless speculative decoding, the whole path in front of the kernels: argument
-checks, `rejection_sample` and the `RejectionSampler` module.
+"""Lossless speculative decoding, the whole path in front of the kernel: argument checks,
+`rejection_sample` and the `RejectionSampler` module.
 
-`rejection_sample` verifies drafts against target distributions (Leviathan et al.;
-glossary in `cluster/kernels/rejection.py`): it checks its arguments (each error names
-the argument), draws the random numbers (none for greedy requests; a seeded request draws
-only from its own generator), and runs the Triton kernels or the vectorised torch path
-on them (`cluster/kernels/rejection.py`).
+`rejection_sample` verifies chains of drafts against target distributions given a bonus
+token per request (Leviathan et al.; glossary in `cluster/kernels/rejection.py`): it checks
+its arguments (each error names the argument), draws the random numbers (none for greedy
+requests; a seeded request draws only from its own generator: one uniform per draft, then
+vocab exponentials), and runs the Triton kernel or the vectorised torch path on them.
 
-`RejectionSampler` sits in front of it. From the target logits at every draft and bonus
-position it samples the bonus tokens with the main `Sampler`, processes every draft position
-exactly as the `Sampler` would (penalties see the drafts before it; temperature, min-p,
-top-k, top-p), takes the softmax, rejection-samples, and returns logprobs for every output
-token. A seeded request consumes, in order: the bonus draw (vocab exponentials), then, when
-it has drafts, one uniform per draft and vocab exponentials.
+`RejectionSampler` verifies draft trees, chains being trees of width one, from the target
+logits at every row of each request (its root's, then one per node). It processes every row
+exactly as the `Sampler` would at that point of the sequence (penalties and `min_tokens`
+see the drafts on the path down to the row; temperature, min-p, top-k, top-p), takes the
+softmax, and runs the same kernel: the token after the accepted path (recovered, or the
+bonus at a leaf) is drawn there by the same exponential race the `Sampler` runs. It returns
+the accepted nodes and logprobs for every output token. A seeded request consumes, in
+order: one uniform per draft, then vocab exponentials.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ import torch
 from torch import nn
 
 from cluster.kernels.backend import use_triton
-from cluster.kernels.rejection import PLACEHOLDER_TOKEN_ID, RejectionInputs, run_rejection
+from cluster.kernels.rejection import run_rejection
+from cluster.kernels.rejection_inputs import PLACEHOLDER_TOKEN_ID, RejectionInputs
 from cluster.sample.logprobs import Logprobs, compute_logprobs
-from cluster.sample.metadata import SamplingMetadata, SpecDecodeMetadata
+from cluster.sample.metadata import SamplingMetadata
 from cluster.sample.processing import process_logits, sampling_distribution
 from cluster.sample.randomness import draw_inv_exponentials, draw_uniforms
 from cluster.sample.sampler import Sampler
+from cluster.sample.spec_metadata import SpecDecodeMetadata
 
 
 def rejection_sample(
@@ -72,18 +76,22 @@ def rejection_sample(
         uniforms = draw_uniforms(num_draft, needs_draws, generators, device)
         inv_exponentials = draw_inv_exponentials(needs_draws, generators, vocab, device)
     cu = torch.tensor([0, *num_draft], dtype=torch.int64).cumsum(0).to(device)
+    parents = [p for n in num_draft for p in range(-1, n - 1)]
     inputs = RejectionInputs(
         draft_token_ids=draft_token_ids.long().contiguous(),
         cu_num_draft_tokens=cu,
-        draft_probs=None if draft_probs is None else draft_probs.float().contiguous(),
+        draft_parents=torch.tensor(parents, dtype=torch.int64, device=device),
         target_probs=target_probs.float().contiguous(),
+        target_row_starts=cu[:-1],  # a chain's rows: one per draft; the bonus is given
+        draft_probs=None if draft_probs is None else draft_probs.float().contiguous(),
+        has_draft_probs=None,
         bonus_token_ids=bonus_token_ids.long().contiguous(),
         is_greedy=is_greedy.contiguous(),
         uniforms=uniforms,
         inv_exponentials=inv_exponentials,
-        max_spec_len=max(num_draft, default=0),
+        max_depth=max(num_draft, default=0),
     )
-    return run_rejection(inputs, backend)
+    return run_rejection(inputs, backend).token_ids
 
 
 def check_rejection_args(
@@ -194,8 +202,9 @@ def _check_generators(
 
 @dataclass(frozen=True)
 class RejectionSamplerOutput:
-    token_ids: torch.Tensor  # [batch, max_spec_len + 1] int64, -1 after the last token
-    logprobs: Logprobs | None  # [batch, max_spec_len + 1, ...] for every output token
+    token_ids: torch.Tensor  # [batch, max_depth + 1] int64, -1 after the last token
+    accepted_nodes: torch.Tensor  # [batch, max_depth] int64: node accepted at each depth, or -1
+    logprobs: Logprobs | None  # [batch, max_depth + 1, ...] for every output token
 
     @property
     def num_output_tokens(self) -> torch.Tensor:  # [batch]: accepted drafts + 1
@@ -203,7 +212,8 @@ class RejectionSamplerOutput:
 
 
 class RejectionSampler(nn.Module):
-    """Verifies drafts against the target logits with each request's sampling parameters."""
+    """Verifies draft trees (and chains) against the target logits with each request's
+    sampling parameters."""
 
     def __init__(
         self,
@@ -225,60 +235,84 @@ class RejectionSampler(nn.Module):
         spec: SpecDecodeMetadata,
         metadata: SamplingMetadata,
         draft_probs: torch.Tensor | None = None,  # [num_tokens, vocab], None for delta drafts
+        has_draft_probs: torch.Tensor | None = None,  # [batch] bool; None: all, if given
     ) -> RejectionSamplerOutput:
-        """Sample the bonus tokens, verify the drafts, and collect logprobs if asked for."""
-        if len(spec.num_draft_tokens) != metadata.batch_size:
-            raise ValueError(
-                f"spec has {len(spec.num_draft_tokens)} requests but metadata has "
-                f"{metadata.batch_size}"
-            )
-        target_logits = logits.index_select(0, spec.target_logits_indices)  # [num_tokens, vocab]
-        bonus_logits = logits.index_select(0, spec.bonus_logits_indices)  # [batch, vocab]
-        bonus_rows, draft_rows = spec.bonus_rows(), spec.draft_rows()
-
-        bonus_processed = process_logits(bonus_logits, metadata, bonus_rows)
-        bonus_token_ids = self.sampler.sample(bonus_processed, metadata, bonus_rows)
-        processed = process_logits(target_logits, metadata, draft_rows)
-        greedy_rows = metadata.is_greedy[draft_rows.request_index]
-        target_probs = sampling_distribution(processed, greedy_rows)
-        token_ids = rejection_sample(
-            spec.draft_token_ids,
-            spec.num_draft_tokens,
-            draft_probs,
-            target_probs,
-            bonus_token_ids,
-            metadata.is_greedy,
-            metadata.generators,
-            self.backend,
-            self.check_values,
+        """Verify every request's drafts, draw the token after the accepted path, and
+        collect logprobs if asked for."""
+        batch = len(spec.num_draft_tokens)
+        if batch != metadata.batch_size:
+            raise ValueError(f"spec has {batch} requests but metadata has {metadata.batch_size}")
+        device = logits.device
+        rows = spec.tree_rows()
+        tree_logits = logits.index_select(
+            0, spec.tree_logits_indices()
+        )  # [num_tokens + batch, vocab]
+        processed = process_logits(tree_logits, metadata, rows)
+        greedy = metadata.is_greedy
+        # Greedy rows are read only through their argmax: an all-greedy batch skips the softmax.
+        all_greedy = bool(greedy.all())
+        target = (
+            processed
+            if all_greedy
+            else sampling_distribution(processed, greedy[rows.request_index])
         )
-
+        if draft_probs is not None:
+            _check_tensor("draft_probs", draft_probs, ndim=2, kind="float", device=device)
+            if draft_probs.shape != (spec.draft_token_ids.shape[0], target.shape[1]):
+                raise ValueError(
+                    f"draft_probs must have one row per draft and the vocabulary, got {tuple(draft_probs.shape)}"
+                )
+        num_draft = list(spec.num_draft_tokens)
+        greedy_list = greedy.tolist()
+        random = [not g for g in greedy_list]
+        generators = metadata.generators
+        uniforms = inv_exponentials = None
+        if not all_greedy:
+            needs = [r and n > 0 for r, n in zip(random, num_draft, strict=True)]
+            uniforms = draw_uniforms(num_draft, needs, generators, device)
+            inv_exponentials = draw_inv_exponentials(random, generators, target.shape[1], device)
+        cu = torch.tensor([0, *num_draft], dtype=torch.int64).cumsum(0).to(device)
+        parents = [p for tree in spec.parents for p in tree]
+        verified = run_rejection(
+            RejectionInputs(
+                draft_token_ids=spec.draft_token_ids,
+                cu_num_draft_tokens=cu,
+                draft_parents=torch.tensor(parents, dtype=torch.int64, device=device),
+                target_probs=target.float().contiguous(),
+                target_row_starts=cu[:-1] + torch.arange(batch, device=device),
+                draft_probs=None if draft_probs is None else draft_probs.float().contiguous(),
+                has_draft_probs=has_draft_probs,
+                bonus_token_ids=None,
+                is_greedy=greedy,
+                uniforms=uniforms,
+                inv_exponentials=inv_exponentials,
+                max_depth=spec.max_depth,
+            ),
+            self.backend,
+        )
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            raw = self.sampler.logprobs_mode == "raw"
-            sources = (target_logits, bonus_logits) if raw else (processed, bonus_processed)
-            logprobs = self._logprobs(torch.cat(sources), token_ids, spec, metadata)
-        return RejectionSamplerOutput(token_ids, logprobs)
+            sources = tree_logits if self.sampler.logprobs_mode == "raw" else processed
+            logprobs = _logprobs(sources, verified.token_ids, verified.accepted_nodes, cu, metadata)
+        return RejectionSamplerOutput(verified.token_ids, verified.accepted_nodes, logprobs)
 
-    def _logprobs(
-        self,
-        sources: torch.Tensor,  # [num_tokens + batch, vocab]: draft rows, then bonus rows
-        token_ids: torch.Tensor,  # [batch, max_spec_len + 1]
-        spec: SpecDecodeMetadata,
-        metadata: SamplingMetadata,
-    ) -> Logprobs:
-        """Logprobs of every output token, read at the row that produced it."""
-        batch, width = token_ids.shape
-        num_tokens = spec.draft_token_ids.shape[0]
-        row_of, start = [], 0  # output (i, j) came from draft row start + j or bonus row
-        for i, n in enumerate(spec.num_draft_tokens):
-            row_of.extend(start + j if j < n else num_tokens + i for j in range(width))
-            start += n
-        index = torch.tensor(row_of, dtype=torch.int64, device=sources.device)
-        requests = [i for i in range(batch) for _ in range(width)]
-        wanted = [metadata.num_logprobs[i] for i in requests]
-        num = torch.tensor([-1 if n is None else n for n in wanted], device=sources.device)
-        flat = compute_logprobs(
-            sources.index_select(0, index), token_ids.reshape(-1), num, metadata.max_num_logprobs
-        )
-        return flat.reshape(batch, width)
+
+def _logprobs(
+    sources: torch.Tensor,  # [num_tokens + batch, vocab] raw or processed logits, tree rows
+    token_ids: torch.Tensor,  # [batch, width]
+    accepted_nodes: torch.Tensor,  # [batch, width - 1]
+    cu: torch.Tensor,  # [batch + 1] cumulative drafts
+    metadata: SamplingMetadata,
+) -> Logprobs:
+    """Logprobs of every output token, read at the row that produced it: the root's for the
+    first, then each accepted node's for the token after it."""
+    batch, width = token_ids.shape
+    start = cu[:-1] + torch.arange(batch, device=cu.device)  # [batch] each request's root row
+    before = torch.cat([accepted_nodes.new_full((batch, 1), -1), accepted_nodes], 1)[:, :width]
+    index = (start[:, None] + before + 1).reshape(-1)  # [batch * width]
+    wanted = [metadata.num_logprobs[i] for i in range(batch) for _ in range(width)]
+    num = torch.tensor([-1 if n is None else n for n in wanted], device=sources.device)
+    flat = compute_logprobs(
+        sources.index_select(0, index), token_ids.reshape(-1), num, metadata.max_num_logprobs
+    )
+    return flat.reshape(batch, width)

@@ -1,11 +1,10 @@
 """`Verifier`: a step's sampling and draft verification on the last pipeline stage.
 
-Requests without drafts are sampled (`Sampler`); drafts are verified by rejection
-sampling, chains through `RejectionSampler` (the Triton kernel and its torch reference,
-`kernels/rejection.py`), trees (and chains in a step that has trees: a chain is a tree of
-width one) through `TreeRejectionSampler`. Every verifying row is processed exactly as
-the sampler would at that position, so speculation never changes what is sampled. Also
-the prompt logprobs some requests ask for.
+A step without drafts is sampled (`Sampler`); drafts, chains and trees alike (a chain is a
+tree of width one), are verified by `RejectionSampler` (one Triton kernel and its torch
+reference, `kernels/rejection.py`). Every verifying row is processed exactly as the sampler
+would at that position, so speculation never changes what is sampled. Also the prompt
+logprobs some requests ask for.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.draft_tree import DraftTree
 from cluster.engine.messages import PromptLogprobs, ScheduledRequest, TokenLogprobs
 from cluster.sample import (
     Logprobs,
@@ -26,7 +24,6 @@ from cluster.sample import (
     compute_logprobs,
 )
 from cluster.sample.grammar_mask import apply_token_bitmask, bitmask_rows
-from cluster.sample.tree_sampler import TreeRejectionSampler
 from cluster.worker.request_state import CachedRequestState
 
 # Prompt rows whose logits exist at once for prompt logprobs ([rows, vocab] float32).
@@ -46,7 +43,6 @@ class Verifier:
         self.device = device
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler, backend=backend)
-        self.tree_sampler = TreeRejectionSampler(self.sampler)
 
     def prompt_logprobs(
         self,
@@ -93,9 +89,9 @@ class Verifier:
         """Sample, or verify the drafts of, every request that samples this step (rows
         of guided requests masked by their grammars first)."""
         self._apply_grammars(logits, sampled)
-        if any(s.spec_parents is not None for s in sampled):
-            return self._verify_trees(logits, sampled, states)
-        tokens, logprobs = self._sample(logits, sampled, states)
+        if any(s.num_spec_tokens for s in sampled):
+            return self._verify_drafts(logits, sampled, states)
+        tokens, logprobs = self._sample(logits, states)
         return Verified(tokens, logprobs, {})
 
     def _apply_grammars(self, logits: torch.Tensor, sampled: list[ScheduledRequest]) -> None:
@@ -109,60 +105,40 @@ class Verifier:
             apply_token_bitmask(logits, *bitmask_rows(guided, self.device))
 
     def _sample(
-        self,
-        logits: torch.Tensor,
-        sampled: list[ScheduledRequest],
-        states: list[CachedRequestState],
+        self, logits: torch.Tensor, states: list[CachedRequestState]
     ) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]]]:
-        if not sampled:
+        """One token per request from its one row."""
+        if not states:
             return [], {}
-        metadata = self._sampling_metadata(states)
-        if any(s.num_spec_tokens for s in sampled):
-            drafts = [s.token_ids[len(s.token_ids) - s.num_spec_tokens :] for s in sampled]
-            spec = SpecDecodeMetadata.from_drafts(drafts, self.device)
-            draft_probs = self._draft_probs(states, drafts)
-            out = self.rejection_sampler(logits, spec, metadata, draft_probs)
-            token_ids, lp = out.token_ids, out.logprobs  # [batch, k + 1], -1 after the last
-            counts = out.num_output_tokens.tolist()
-        else:
-            out = self.sampler(logits, metadata)
-            token_ids = out.token_ids[:, None]  # [batch, 1]
-            lp = out.logprobs.reshape(len(states), 1) if out.logprobs is not None else None
-            counts = [1] * len(states)
-        for st in states:
-            st.draft_probs = None  # verified now
-        rows = token_ids.tolist()
-        tokens = [row[:n] for row, n in zip(rows, counts, strict=True)]
-        return tokens, _logprobs_by_request(lp, states, counts)
+        out = self.sampler(logits, self._sampling_metadata(states))
+        lp = out.logprobs.reshape(len(states), 1) if out.logprobs is not None else None
+        return [[t] for t in out.token_ids.tolist()], _logprobs_by_request(
+            lp, states, [1] * len(states)
+        )
 
-    def _verify_trees(
+    def _verify_drafts(
         self,
         logits: torch.Tensor,
         sampled: list[ScheduledRequest],
         states: list[CachedRequestState],
     ) -> Verified:
-        """Verify each sampled request's draft tree (a chain or no drafts are trees too)."""
-        metadata = self._sampling_metadata(states)
-        trees = []
-        for item in sampled:
-            drafts = item.token_ids[len(item.token_ids) - item.num_spec_tokens :]
-            if item.spec_parents is None:
-                trees.append(DraftTree.chain(drafts))
-            else:
-                trees.append(DraftTree(tuple(drafts), tuple(item.spec_parents)))
-        probs = [
-            st.draft_probs if st.draft_probs is not None and tree.num_nodes else None
-            for st, tree in zip(states, trees, strict=True)
-        ]
-        out = self.tree_sampler(logits, trees, metadata, probs)
+        """Verify each sampled request's drafts (a chain, a tree or none)."""
+        drafts = [s.token_ids[len(s.token_ids) - s.num_spec_tokens :] for s in sampled]
+        parents = [s.spec_parents for s in sampled]
+        spec = SpecDecodeMetadata.from_trees(drafts, parents, self.device)
+        draft_probs, has_q = self._draft_probs(states, spec)
+        out = self.rejection_sampler(
+            logits, spec, self._sampling_metadata(states), draft_probs, has_q
+        )
         for st in states:
             st.draft_probs = None  # verified now
-        counts = out.num_output_tokens
+        counts = out.num_output_tokens.tolist()
         rows = out.token_ids.tolist()
+        nodes = out.accepted_nodes.tolist()
         paths = {
-            item.req_id: path
-            for item, path in zip(sampled, out.accepted_nodes, strict=True)
-            if item.num_spec_tokens
+            item.req_id: [n for n in path if n >= 0]
+            for item, path in zip(sampled, nodes, strict=True)
+            if item.num_spec_tokens and item.spec_parents is not None
         }
         tokens = [row[:n] for row, n in zip(rows, counts, strict=True)]
         return Verified(tokens, _logprobs_by_request(out.logprobs, states, counts), paths)
@@ -179,22 +155,27 @@ class Verifier:
         )
 
     def _draft_probs(
-        self, states: list[CachedRequestState], drafts: list[list[int]]
-    ) -> torch.Tensor | None:
-        """[num_drafts, vocab] the distributions the drafts came from; one-hot rows (deltas)
-        for argmax drafts. None when every draft is an argmax draft."""
-        if all(st.draft_probs is None for st in states):
-            return None
+        self, states: list[CachedRequestState], spec: SpecDecodeMetadata
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """[num_drafts, vocab] the distribution each draft came from (its parent row of the
+        request's `draft_probs`: row 0 the root's), and [batch] whose rows those are (the
+        others' drafts are argmax drafts, point masses); (None, None) when none has any."""
+        with_q = [
+            st.draft_probs is not None and n > 0 and st.draft_probs.shape[0] >= n
+            for st, n in zip(states, spec.num_draft_tokens, strict=True)
+        ]
+        if not any(with_q):
+            return None, None
         rows = []
-        for st, d in zip(states, drafts, strict=True):
-            if not d:
+        for st, parents, has in zip(states, spec.parents, with_q, strict=True):
+            if not parents:
                 continue
-            if st.draft_probs is not None and st.draft_probs.shape[0] >= len(d):
-                rows.append(st.draft_probs[: len(d)].to(self.device))
+            if has:
+                index = torch.tensor(parents, device=st.draft_probs.device) + 1
+                rows.append(st.draft_probs.index_select(0, index).to(self.device))
             else:
-                ids = torch.tensor(d, device=self.device)
-                rows.append(torch.nn.functional.one_hot(ids, self.vocab_size).float())
-        return torch.cat(rows)
+                rows.append(torch.zeros(len(parents), self.vocab_size, device=self.device))
+        return torch.cat(rows), torch.tensor(with_q, device=self.device)
 
 
 def _logprobs_by_request(
