@@ -1,6 +1,8 @@
 """How many of the package's files a request passes through: from `LLM.generate` to the
 target model's forward, and to the rejection kernel, in the order they are first entered
-(a profile hook records every Python call). Also the package's line count.
+(a profile hook records every Python call; helpers such as the sampling parameters, the
+block manager and the detokenizer count), and the files on the call stack when each is
+entered (the way down from `LLM.generate`). Also the package's line count.
 
     CLUSTER_COMPILE=off python benchmarks/request_path.py [--list]
 
@@ -24,10 +26,22 @@ FORWARD = ("llama.py", "forward")
 KERNEL = (None, "rejection_sample_ref")
 
 
-def trace_files(llm: LLM, prompt: str) -> dict[str, list[str]]:
-    """{"forward": files entered before the target forward, "kernel": ... before the kernel}."""
+def trace_files(llm: LLM, prompt: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """({"forward": files entered before the target forward, "kernel": ... before the
+    kernel}, the same keys: the package files on the call stack there, outermost first)."""
     order: list[str] = []
     marks: dict[str, list[str]] = {}
+    stacks: dict[str, list[str]] = {}
+
+    def on_stack(frame) -> list[str]:
+        files: list[str] = []
+        while frame is not None:
+            path = frame.f_code.co_filename
+            name = os.path.relpath(path, os.path.dirname(ROOT))
+            if path.startswith(ROOT) and name not in files:
+                files.append(name)
+            frame = frame.f_back
+        return files[::-1]
 
     def hook(frame, event, arg):
         if event != "call":
@@ -42,6 +56,7 @@ def trace_files(llm: LLM, prompt: str) -> dict[str, list[str]]:
         for label, (file, function) in (("forward", FORWARD), ("kernel", KERNEL)):
             if here[1] == function and file in (None, here[0]) and label not in marks:
                 marks[label] = list(order)
+                stacks[label] = on_stack(frame)
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     sys.setprofile(hook)
@@ -49,7 +64,7 @@ def trace_files(llm: LLM, prompt: str) -> dict[str, list[str]]:
         llm.generate(prompt, params, use_tqdm=False)
     finally:
         sys.setprofile(None)
-    return marks
+    return marks, stacks
 
 
 def package_lines() -> tuple[int, int]:
@@ -72,16 +87,19 @@ def main() -> None:
     prompt = "one two three four one two three four one two three four one two"
     with LLM(speculative_config=spec, max_model_len=256, num_kv_blocks=64) as llm:
         llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-        marks = trace_files(llm, prompt)
+        marks, stacks = trace_files(llm, prompt)
     files, lines = package_lines()
-    print("| from `LLM.generate` to | files passed |")
-    print("|---|---:|")
+    print("| from `LLM.generate` to | files entered | files on the call stack |")
+    print("|---|---:|---:|")
     for label, what in (("forward", "the target forward"), ("kernel", "the rejection kernel")):
-        print(f"| {what} | {len(marks.get(label, [])) or 'not reached'} |")
+        entered = len(marks.get(label, [])) or "not reached"
+        print(f"| {what} | {entered} | {len(stacks.get(label, [])) or 'not reached'} |")
     print(f"\npackage: {files} Python files, {lines} lines")
     if args.list:
+        for label, names in stacks.items():
+            print(f"\non the call stack at {label}:\n  " + "\n  ".join(names))
         for label, names in marks.items():
-            print(f"\n{label}:\n  " + "\n  ".join(names))
+            print(f"\nentered before {label}:\n  " + "\n  ".join(names))
 
 
 if __name__ == "__main__":

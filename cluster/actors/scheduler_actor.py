@@ -81,7 +81,7 @@ class SchedulerActor:
                 del self._aborted_unknown[request.request_id]
                 return  # its client already left
             self._live.add(request.request_id)
-        self.loop.add_request(request)
+        self.loop.submit(request)
 
     def abort(self, request_ids: list[str]) -> None:
         with self._cv:

@@ -36,7 +36,7 @@ class AsyncLLM:
         with self._lock:
             request = frontend.admit(request_id, prompt, params)  # raises ValueError on bad input
             queue = frontend.open_stream(request_id, params)
-        self.loop.add_request(request)
+        self.loop.submit(request)
         return queue
 
     async def generate(

@@ -66,7 +66,7 @@ class FrontEnd:
         if extra and not params.ignore_eos:
             params = params.model_copy(update={"stop_token_ids": (*params.stop_token_ids, *extra)})
         request = Request(request_id, ids, params, eos_token_id=self.tokenizer.eos_token_id)
-        self.output_processor.add_request(request_id, text, ids, params)
+        self.output_processor.track(request_id, text, ids, params)
         return request
 
     def chat_prompt(

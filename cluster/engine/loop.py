@@ -48,7 +48,8 @@ class EngineLoop:
         self._thread.start()
 
     # ---- commands (any thread) -----------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def submit(self, request: Request) -> None:
+        """Queue a new request; the loop adds it to the core before its next step."""
         self._queue("add", request)
 
     def abort(self, request_ids: list[str]) -> None:

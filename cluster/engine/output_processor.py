@@ -63,7 +63,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
 
-    def add_request(
+    def track(
         self,
         request_id: str,
         prompt: str | None,
