@@ -104,6 +104,7 @@ def drawn_inputs(args_: tuple, greedy: torch.Tensor, k: int) -> RejectionInputs:
         uniforms=draw_uniforms(num_draft, needs, {}, device),
         inv_exponentials=draw_inv_exponentials(needs, {}, target.shape[1], device),
         max_depth=k,
+        all_chains=True,
     )
 
 

@@ -53,6 +53,7 @@ def chain_inputs(*, cu_num_draft_tokens, max_spec_len, **fields) -> RejectionInp
         target_row_starts=cu_num_draft_tokens[:-1],
         has_draft_probs=None,
         max_depth=max_spec_len,
+        all_chains=True,
         **fields,
     )
 

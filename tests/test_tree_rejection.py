@@ -63,6 +63,7 @@ def tree_inputs(
         uniforms=torch.cat([uniforms[i, :k] for i, k in enumerate(n)]),
         inv_exponentials=inv_exponentials,
         max_depth=max(t.depth for t in trees),
+        all_chains=all(t.is_chain() for t in trees),
     )
 
 

@@ -80,9 +80,9 @@ def race(
 
 def rejection_sample_ref(x: RejectionInputs) -> RejectionOutput:
     """Vectorised over requests; one pass over node indices (a child comes after its parent,
-    so the walk visits every node it needs in index order)."""
+    so the walk visits every node it needs in index order). Host reads do not grow with the
+    number of drafts or requests for chains (a GPU stalls at each)."""
     batch, device, vocab = x.batch_size, x.target_probs.device, x.vocab_size
-    num_draft = x.num_draft_tokens.tolist()
     starts = x.cu_num_draft_tokens[:-1]
     greedy = x.is_greedy
     full = x.request_has_draft_probs()
@@ -99,18 +99,17 @@ def rejection_sample_ref(x: RejectionInputs) -> RejectionOutput:
     )
     rows = torch.arange(batch, device=device)
     last_row = max(x.target_probs.shape[0] - 1, 0)
-    for j in range(max(num_draft, default=0)):
-        node = (starts + j).clamp(max=max(x.num_tokens - 1, 0))  # [batch] flat node index
+    max_nodes = int(x.num_draft_tokens.max()) if x.num_tokens else 0
+    for j in range(max_nodes):
+        node = (starts + j).clamp(max=x.num_tokens - 1)  # [batch] flat node index
         active = (x.num_draft_tokens > j) & (x.draft_parents[node] == cur)
-        if not bool(active.any()):
-            continue
         token = x.draft_token_ids[node]
         row = (x.target_row_starts + cur + 1).clamp(max=last_row)  # (valid where active)
         accept = active & greedy & (token == argmax[row])
-        chance = active & ~greedy
-        if bool(chance.any()):
+        if x.uniforms is not None:  # some random request has drafts
+            chance = active & ~greedy
             late = chance & (pending >= 0)
-            if bool(late.any()):  # a sibling after a rejection: fold the residual into p
+            if not x.all_chains and bool(late.any()):  # a sibling after a rejection
                 if scratch_p is None:
                     scratch_p = torch.zeros(batch, vocab, device=device)
                     scratch_q = None if x.draft_probs is None else torch.zeros_like(scratch_p)
@@ -121,22 +120,19 @@ def rejection_sample_ref(x: RejectionInputs) -> RejectionOutput:
                 if q is not None:
                     scratch_q[b] = q
                 in_scratch[b], pending[b] = True, -1
-            p_x = torch.where(
-                in_scratch,
-                _at(scratch_p, token) if scratch_p is not None else 0.0,
-                x.target_probs[row, token],
-            ).double()
-            q_x = torch.ones_like(p_x)
+            p_x = x.target_probs[row, token]
+            if scratch_p is not None:
+                p_x = torch.where(in_scratch, _at(scratch_p, token), p_x)
+            q_x = torch.ones_like(p_x, dtype=torch.float64)
             if x.draft_probs is not None:
-                q_now = torch.where(
-                    in_scratch,
-                    _at(scratch_q, token) if scratch_q is not None else 0.0,
-                    x.draft_probs[node, token],
-                ).double()
-                q_x = torch.where(full, q_now, q_x)
-            accept |= chance & (q_x > 0) & (x.uniforms[node] * q_x < p_x)
-        accepted[rows[accept], depth[accept]] = j
-        out[rows[accept], depth[accept]] = token[accept]
+                q_now = x.draft_probs[node, token]
+                if scratch_q is not None:
+                    q_now = torch.where(in_scratch, _at(scratch_q, token), q_now)
+                q_x = torch.where(full, q_now.double(), q_x)
+            accept |= chance & (q_x > 0) & (x.uniforms[node] * q_x < p_x.double())
+        at = depth.clamp(max=max(x.max_depth - 1, 0))
+        accepted[rows, at] = torch.where(accept, j, accepted[rows, at])
+        out[rows, depth] = torch.where(accept, token, out[rows, depth])
         depth += accept.long()
         cur = torch.where(accept, j, cur)
         rejected = active & ~accept
@@ -179,6 +175,8 @@ def _final(x, cur, tried, pending, in_scratch, scratch_p, scratch_q, argmax) -> 
     row = (x.target_row_starts + cur + 1).clamp(max=max(x.target_probs.shape[0] - 1, 0))
     leaf_bonus = ~tried & (x.bonus_token_ids is not None)  # (then the leaf's row may not exist)
     final = torch.where(leaf_bonus, _bonus_or_zero(x), argmax[row.clamp(max=argmax.shape[0] - 1)])
+    if x.inv_exponentials is None:  # no random request draws here
+        return final
     random = (~x.is_greedy & ~leaf_bonus).nonzero().squeeze(1)
     full = x.request_has_draft_probs()
     step = max(1, _RACE_BLOCK_ELEMENTS // x.vocab_size)  # rows per block: stays in cache
@@ -187,7 +185,7 @@ def _final(x, cur, tried, pending, in_scratch, scratch_p, scratch_q, argmax) -> 
         pend = pending[b]
         p, q = _current(x, b, row, pending.clamp(min=0), in_scratch, scratch_p, scratch_q)
         r = p
-        if bool((pend >= 0).any()):
+        if x.num_tokens:
             token = x.draft_token_ids[pend.clamp(min=0)]
             r = torch.where((pend >= 0)[:, None], residual(p, q, full[b], token), p)
         final[b] = race(p, r, x.inv_exponentials.index_select(0, b))

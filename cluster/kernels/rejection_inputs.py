@@ -41,6 +41,9 @@ class RejectionInputs:
     uniforms: torch.Tensor | None  # [num_tokens] float64 in [0, 1); read for random requests
     inv_exponentials: torch.Tensor | None  # [batch, vocab] float32, 1 / E; random requests
     max_depth: int  # the deepest node's depth over the batch (a chain of k: k)
+    # Every request's drafts are a chain (known on the host: then no residual is ever
+    # folded, and the torch path reads nothing back per draft)
+    all_chains: bool
 
     @property
     def batch_size(self) -> int:
@@ -57,13 +60,6 @@ class RejectionInputs:
     @property
     def num_draft_tokens(self) -> torch.Tensor:  # [batch] int64
         return self.cu_num_draft_tokens[1:] - self.cu_num_draft_tokens[:-1]
-
-    def needs_draws(self) -> bool:
-        """Whether some random request can read randomness (only then is it drawn)."""
-        random = ~self.is_greedy
-        if self.bonus_token_ids is not None:
-            random = random & (self.num_draft_tokens > 0)
-        return bool(random.any())
 
     def request_has_draft_probs(self) -> torch.Tensor:  # [batch] bool
         if self.draft_probs is None:

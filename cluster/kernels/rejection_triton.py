@@ -261,7 +261,7 @@ def rejection_sample_triton(inputs: RejectionInputs) -> RejectionOutput:
         argmax = torch.zeros(1, dtype=torch.int64, device=device)
     has_q = x.draft_probs is not None and x.num_tokens > 0
     draft_probs = x.draft_probs if has_q else x.target_probs  # placeholder pointer
-    scratch_rows = batch if _may_fold(x) else 1
+    scratch_rows = 1 if x.all_chains else batch  # only siblings are folded
     scratch_p = torch.empty(scratch_rows, vocab, dtype=torch.float32, device=device)
     scratch_q = torch.empty_like(scratch_p) if has_q else scratch_p
     uniforms = x.uniforms if x.uniforms is not None else torch.zeros(1, dtype=torch.float64)
@@ -297,15 +297,3 @@ def rejection_sample_triton(inputs: RejectionInputs) -> RejectionOutput:
         BLOCK=min(_MAX_BLOCK, triton.next_power_of_2(vocab)),
     )
     return RejectionOutput(out, nodes[:, : x.max_depth])
-
-
-def _may_fold(x: RejectionInputs) -> bool:
-    """Whether some random request's drafts are not a chain (only siblings are folded)."""
-    if not bool((~x.is_greedy).any()) or x.num_tokens == 0:
-        return False
-    num_draft = x.num_draft_tokens
-    request = torch.repeat_interleave(
-        torch.arange(x.batch_size, device=num_draft.device), num_draft
-    )
-    position = torch.arange(x.num_tokens, device=num_draft.device) - x.cu_num_draft_tokens[request]
-    return not bool((x.draft_parents == position - 1).all())

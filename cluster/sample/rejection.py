@@ -90,6 +90,7 @@ def rejection_sample(
         uniforms=uniforms,
         inv_exponentials=inv_exponentials,
         max_depth=max(num_draft, default=0),
+        all_chains=True,
     )
     return run_rejection(inputs, backend).token_ids
 
@@ -245,12 +246,13 @@ class RejectionSampler(nn.Module):
         device = logits.device
         rows = spec.tree_rows()
         tree_logits = logits.index_select(
-            0, spec.tree_logits_indices()
+            0, spec.tree_logits_indices
         )  # [num_tokens + batch, vocab]
         processed = process_logits(tree_logits, metadata, rows)
         greedy = metadata.is_greedy
+        greedy_list = greedy.tolist()
         # Greedy rows are read only through their argmax: an all-greedy batch skips the softmax.
-        all_greedy = bool(greedy.all())
+        all_greedy = all(greedy_list)
         target = (
             processed
             if all_greedy
@@ -263,7 +265,6 @@ class RejectionSampler(nn.Module):
                     f"draft_probs must have one row per draft and the vocabulary, got {tuple(draft_probs.shape)}"
                 )
         num_draft = list(spec.num_draft_tokens)
-        greedy_list = greedy.tolist()
         random = [not g for g in greedy_list]
         generators = metadata.generators
         uniforms = inv_exponentials = None
@@ -287,6 +288,7 @@ class RejectionSampler(nn.Module):
                 uniforms=uniforms,
                 inv_exponentials=inv_exponentials,
                 max_depth=spec.max_depth,
+                all_chains=not spec.draft_parents,
             ),
             self.backend,
         )

@@ -24,6 +24,8 @@ class SpecDecodeMetadata:
     num_draft_tokens: tuple[int, ...]  # per request, 0 allowed
     target_logits_indices: torch.Tensor  # [num_tokens] the logits row verifying each draft
     bonus_logits_indices: torch.Tensor  # [batch] each request's last row (a chain's bonus)
+    # [num_tokens + batch] every request's rows: its root's, then its nodes'
+    tree_logits_indices: torch.Tensor
     draft_parents: tuple[tuple[int, ...], ...] = ()  # [batch][n_i]; () for chains
 
     @property
@@ -68,24 +70,19 @@ class SpecDecodeMetadata:
             target.extend(start + parent + 1 for parent in tree)
             bonus.append(start + n)
             start += n + 1
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
         flat = [t for drafts in draft_token_ids for t in drafts]
         return cls(
             draft_token_ids=torch.tensor(flat, dtype=torch.int64, device=device),
             num_draft_tokens=num_draft,
-            target_logits_indices=torch.tensor(target, dtype=torch.int64, device=device),
-            bonus_logits_indices=torch.tensor(bonus, dtype=torch.int64, device=device),
+            target_logits_indices=ints(target),
+            bonus_logits_indices=ints(bonus),
+            tree_logits_indices=ints(list(range(start))),
             draft_parents=() if given == chains else given,
         )
-
-    def tree_logits_indices(self) -> torch.Tensor:
-        """[num_tokens + batch] every request's rows: its root's, then its nodes'."""
-        device = self.draft_token_ids.device
-        first = self.bonus_logits_indices - torch.tensor(self.num_draft_tokens, device=device)
-        sizes = torch.tensor(self.num_draft_tokens, device=device) + 1
-        offsets = torch.arange(int(sizes.sum()), device=device) - torch.repeat_interleave(
-            sizes.cumsum(0) - sizes, sizes
-        )
-        return torch.repeat_interleave(first, sizes) + offsets
 
     def tree_rows(self) -> LogitsRows:
         """The rows of `tree_logits_indices`: the root's sees nothing extra, node j's the

@@ -132,12 +132,12 @@ class Verifier:
         )
         for st in states:
             st.draft_probs = None  # verified now
-        counts = out.num_output_tokens.tolist()
         rows = out.token_ids.tolist()
-        nodes = out.accepted_nodes.tolist()
+        accepted = [[n for n in path if n >= 0] for path in out.accepted_nodes.tolist()]
+        counts = [len(path) + 1 for path in accepted]
         paths = {
-            item.req_id: [n for n in path if n >= 0]
-            for item, path in zip(sampled, nodes, strict=True)
+            item.req_id: path
+            for item, path in zip(sampled, accepted, strict=True)
             if item.num_spec_tokens and item.spec_parents is not None
         }
         tokens = [row[:n] for row, n in zip(rows, counts, strict=True)]
