@@ -3,6 +3,7 @@
 Offline use follows vLLM: `LLM(model).generate(prompts, SamplingParams(...))`.
 """
 
+import cluster._env  # (first: inductor's cache folder, before torch fixes it)
 import cluster.methods  # noqa: F401  (registers the built-in draft methods)
 from cluster.llm import LLM
 from cluster.outputs import CompletionOutput, RequestOutput

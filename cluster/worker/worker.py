@@ -188,12 +188,12 @@ class Worker:
     def _compile_options(self) -> CompileOptions | None:
         """The compile settings of this engine, or None when it runs eagerly. Compiled
         artefacts are cached on disk under the cluster cache folder unless inductor's own
-        `TORCHINDUCTOR_CACHE_DIR` says otherwise. A batch-invariant engine on CPU compiles
+        `TORCHINDUCTOR_CACHE_DIR` says otherwise (set when `cluster` is imported:
+        `cluster/_env.py`). A batch-invariant engine on CPU compiles
         one graph for every token count, with one GEMM kernel family (no autotuning; the
         products of prepacked weights are our own opaque op: `cluster.kernels.packed_linear`)."""
         if not self.config.compiles:
             return None
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), "inductor"))
         compile = self.config.compile
         freeze = self.num_packed_weights == 0  # prepacked weights stay graph inputs
         if self.config.model.batch_invariant and self.state.device.type == "cpu":
