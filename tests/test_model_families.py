@@ -23,7 +23,7 @@ from cluster.config.architectures import TARGET_ARCHITECTURES
 from cluster.kernels.fused_moe import fused_moe_ref
 from cluster.models.loader import load_model
 from cluster.models.moe import experts_by_expert
-from cluster.models.registry import supported_architectures
+from cluster.models.registry import model_class, supported_architectures
 from cluster.parallel import ParallelState
 from cluster.worker.kv_cache import PagedKVCache
 
@@ -50,7 +50,12 @@ def _batch(vocab_size, seed):
 
 
 def test_every_architecture_has_a_model_class():
+    """Each served name (written once, in the config layer) resolves to a model class of
+    that name."""
     assert supported_architectures() == sorted(TARGET_ARCHITECTURES)
+    for name in TARGET_ARCHITECTURES:
+        cls = model_class(name)
+        assert cls.__name__ == name and issubclass(cls, torch.nn.Module)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

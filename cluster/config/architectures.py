@@ -1,24 +1,26 @@
 """The target architectures `cluster` serves, and the checks a checkpoint's config must
 pass before any process, actor or placement group starts (`EngineConfig` runs them).
 
-`cluster.models.registry` maps each name here to its model class (a test keeps the two
-lists equal); this module knows only the names and what each config must satisfy.
+Each name is written once, here, with the `cluster.models` module whose class of that name
+implements it; `cluster.models.registry` imports the class from there. This module knows
+only names and what each config must satisfy.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# Hugging Face `architectures` names with a model class.
-TARGET_ARCHITECTURES = (
-    "DeepseekV3ForCausalLM",
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "Qwen3NextForCausalLM",
-)
+# Hugging Face `architectures` names we serve -> the module of `cluster.models` that holds
+# the class of the same name.
+TARGET_ARCHITECTURES: dict[str, str] = {
+    "DeepseekV3ForCausalLM": "deepseek",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "qwen",
+    "Qwen2ForCausalLM": "qwen",
+    "Qwen3ForCausalLM": "qwen",
+    "Qwen3MoeForCausalLM": "qwen",
+    "Qwen3NextForCausalLM": "qwen3_next",
+}
 # Architectures with recurrent (linear-attention) layers: their per-request state cannot
 # be rebuilt from cached KV blocks, so they run without prefix caching.
 RECURRENT_ARCHITECTURES = ("Qwen3NextForCausalLM",)

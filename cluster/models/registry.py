@@ -1,36 +1,26 @@
-"""Maps Hugging Face `architectures` names to our model classes."""
+"""Maps Hugging Face `architectures` names to our model classes: the names and their
+modules come from `cluster.config.architectures` (written once, there); a class is
+imported when a model of its architecture is built."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from torch import nn
 
-from cluster.config.architectures import architecture_of
-from cluster.models.deepseek import DeepseekV3ForCausalLM
-from cluster.models.llama import LlamaForCausalLM
-from cluster.models.qwen import (
-    MistralForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-    Qwen3MoeForCausalLM,
-)
-from cluster.models.qwen3_next import Qwen3NextForCausalLM
-
-_ARCHITECTURES: dict[str, type[nn.Module]] = {
-    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
-}
+from cluster.config.architectures import TARGET_ARCHITECTURES, architecture_of
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_ARCHITECTURES)
+    return sorted(TARGET_ARCHITECTURES)
+
+
+def model_class(name: str) -> type[nn.Module]:
+    """The model class of a served architecture name (KeyError for others)."""
+    module = importlib.import_module(f"cluster.models.{TARGET_ARCHITECTURES[name]}")
+    return getattr(module, name)
 
 
 def model_class_for(hf_config: Any) -> type[nn.Module]:
-    return _ARCHITECTURES[architecture_of(hf_config)]
+    return model_class(architecture_of(hf_config))
