@@ -264,3 +264,18 @@ def test_batch_mismatch_between_spec_and_metadata_is_rejected():
     spec = SpecDecodeMetadata.from_drafts([[1], [2]])
     with pytest.raises(ValueError, match="spec has 2 requests but metadata has 1"):
         RejectionSampler()(torch.randn(4, 10), spec, metadata([SamplingParams()], 10))
+
+
+def test_value_checks_name_the_bad_tensor():
+    """With `check_values` (CLUSTER_DEBUG_CHECKS=1), bad ids and probabilities raise."""
+    checked = RejectionSampler(check_values=True)
+    params = [SamplingParams(temperature=1.0, seed=1)]
+    with pytest.raises(ValueError, match="draft_token_ids must lie in"):
+        checked(torch.randn(2, 10), SpecDecodeMetadata.from_drafts([[99]]), metadata(params, 10))
+    bad_q = torch.full((1, 10), 0.1)
+    bad_q[0, 3] = float("nan")
+    spec = SpecDecodeMetadata.from_drafts([[3]])
+    with pytest.raises(ValueError, match="draft_probs must be finite"):
+        checked(torch.randn(2, 10), spec, metadata(params, 10), bad_q)
+    out = RejectionSampler()(torch.randn(2, 10), spec, metadata(params, 10), bad_q.nan_to_num())
+    assert out.token_ids.shape == (1, 2)  # unchecked by default

@@ -245,9 +245,8 @@ class RejectionSampler(nn.Module):
             raise ValueError(f"spec has {batch} requests but metadata has {metadata.batch_size}")
         device = logits.device
         rows = spec.tree_rows()
-        tree_logits = logits.index_select(
-            0, spec.tree_logits_indices
-        )  # [num_tokens + batch, vocab]
+        # [num_tokens + batch, vocab]: each request's root row, then its nodes'
+        tree_logits = logits.index_select(0, spec.tree_logits_indices)
         processed = process_logits(tree_logits, metadata, rows)
         greedy = metadata.is_greedy
         greedy_list = greedy.tolist()
@@ -264,6 +263,19 @@ class RejectionSampler(nn.Module):
                 raise ValueError(
                     f"draft_probs must have one row per draft and the vocabulary, got {tuple(draft_probs.shape)}"
                 )
+        if self.check_values:  # (greedy-only batches verify logits, which may be -inf)
+            vocab = target.shape[1]
+            ids = spec.draft_token_ids
+            if ids.numel() and not bool(((ids >= 0) & (ids < vocab)).all()):
+                raise ValueError(f"draft_token_ids must lie in [0, vocab_size={vocab})")
+            checked = (
+                (("draft_probs", draft_probs),)
+                if all_greedy
+                else (("target_probs", target), ("draft_probs", draft_probs))
+            )
+            for name, probs in checked:
+                if probs is not None and probs.numel() and not _finite_and_non_negative(probs):
+                    raise ValueError(f"{name} must be finite and >= 0")
         num_draft = list(spec.num_draft_tokens)
         random = [not g for g in greedy_list]
         generators = metadata.generators
