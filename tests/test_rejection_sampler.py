@@ -116,7 +116,7 @@ def plain_processed(logits_row, params, history, prompt) -> tuple[SamplingMetada
 def test_every_position_is_processed_like_the_plain_sampler():
     params, drafts, prompts, outputs, spec, logits = random_batch(0, batch=12, vocab=30)
     md = metadata(params, 30, outputs, prompts)
-    processed = process_logits(logits[spec.tree_logits_indices], md, spec.tree_rows())
+    processed = process_logits(logits, md, spec.tree_rows())
     start = 0
     for i, p in enumerate(params):
         n = len(drafts[i])
@@ -200,7 +200,7 @@ def test_mixed_greedy_and_random_batch_stays_finite_and_in_range(backend):
     spec = SpecDecodeMetadata.from_drafts(drafts)
     logits = 40 * torch.randn(sum(map(len, drafts)) + 8, 50, generator=gen)  # very peaked
     md = metadata(params, 50)
-    probs = torch.softmax(process_logits(logits[spec.tree_logits_indices], md, spec.tree_rows()), 1)
+    probs = torch.softmax(process_logits(logits, md, spec.tree_rows()), 1)
     assert bool(torch.isfinite(probs).all())
     out = RejectionSampler(backend=backend)(logits, spec, md).token_ids
     for i, row in enumerate(out.tolist()):

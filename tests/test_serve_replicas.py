@@ -348,5 +348,8 @@ def test_prefix_routing_sends_a_prompt_to_the_replica_caching_its_prefix(app, ti
         client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
         if hit_tokens() == hits:
             misses.append(i)
-    assert misses[:4] == [0, 2, 4, 6] and len(misses) <= 5, misses
+    # Each prompt's first request misses; at most one more miss in all 16 (under a loaded
+    # machine one second request has been seen to miss: the router had not yet learnt where
+    # its pair went). Round robin or least-connections would miss at least 8 times.
+    assert {0, 2, 4, 6} <= set(misses) and len(misses) <= 5, misses
     serve.delete("prefix")

@@ -246,7 +246,14 @@ class RejectionSampler(nn.Module):
         device = logits.device
         rows = spec.tree_rows()
         # [num_tokens + batch, vocab]: each request's root row, then its nodes'
-        tree_logits = logits.index_select(0, spec.tree_logits_indices)
+        tree_logits = logits
+        if spec.tree_logits_indices is not None:
+            tree_logits = logits.index_select(0, spec.tree_logits_indices)
+        elif logits.shape[0] != spec.draft_token_ids.shape[0] + batch:
+            raise ValueError(
+                f"logits must have a row per request and per draft "
+                f"({spec.draft_token_ids.shape[0] + batch}), got {logits.shape[0]}"
+            )
         processed = process_logits(tree_logits, metadata, rows)
         greedy = metadata.is_greedy
         greedy_list = greedy.tolist()

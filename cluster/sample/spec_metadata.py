@@ -24,9 +24,10 @@ class SpecDecodeMetadata:
     num_draft_tokens: tuple[int, ...]  # per request, 0 allowed
     target_logits_indices: torch.Tensor  # [num_tokens] the logits row verifying each draft
     bonus_logits_indices: torch.Tensor  # [batch] each request's last row (a chain's bonus)
-    # [num_tokens + batch] every request's rows: its root's, then its nodes'
-    tree_logits_indices: torch.Tensor
     draft_parents: tuple[tuple[int, ...], ...] = ()  # [batch][n_i]; () for chains
+    # [num_tokens + batch] the logits rows of every request's root, then of its nodes;
+    # None: the logits hold exactly those rows, in that order (the layout `from_trees` names)
+    tree_logits_indices: torch.Tensor | None = None
 
     @property
     def max_spec_len(self) -> int:
@@ -80,7 +81,6 @@ class SpecDecodeMetadata:
             num_draft_tokens=num_draft,
             target_logits_indices=ints(target),
             bonus_logits_indices=ints(bonus),
-            tree_logits_indices=ints(list(range(start))),
             draft_parents=() if given == chains else given,
         )
 
