@@ -85,10 +85,13 @@ async def _open(client):
 
 async def _both_replicas_take_a_stream(url: str) -> bool:
     """Whether two streams opened together both start at once. Serve says "ready" before
-    HAProxy's health checks have marked every replica up; until then it sends both streams
-    to one replica, where the second waits for the first to end."""
+    HAProxy's health checks have marked every replica up; until then it answers 503 or sends
+    both streams to one replica, where the second waits for the first to end."""
     client = _client(url)
-    first = await _open(client)
+    try:
+        first = await _open(client)
+    except openai.InternalServerError:  # a 503: HAProxy has no replica marked up yet
+        return False
     try:
         second = await asyncio.wait_for(_open(client), timeout=5)
     except TimeoutError:
