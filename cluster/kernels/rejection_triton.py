@@ -35,6 +35,26 @@ def _load_p(target_row_ptr, scratch_row_ptr, cols, mask, in_scratch):
 
 
 @triton.jit
+def _load_pq(
+    target_row_ptr,
+    q_row_ptr,
+    scratch_p_ptr,
+    scratch_q_ptr,
+    cols,
+    mask,
+    q_mask,
+    in_scratch,
+    HAS_DRAFT_PROBS: tl.constexpr,
+):
+    """The current (p, q) at `cols`; q is p itself without draft probabilities (unused)."""
+    p = _load_p(target_row_ptr, scratch_p_ptr, cols, mask, in_scratch)
+    q = p
+    if HAS_DRAFT_PROBS:
+        q = _load_p(q_row_ptr, scratch_q_ptr, cols, q_mask, in_scratch)
+    return p, q
+
+
+@triton.jit
 def _residual(p, q, cols, token, full):
     """max(p - q, 0) where the request has draft probabilities, else p without `token`."""
     without = tl.where(cols == token, 0.0, p)
@@ -61,20 +81,35 @@ def _fold(
     for lo in range(0, vocab_size, BLOCK):
         cols = lo + tl.arange(0, BLOCK)
         mask = cols < vocab_size
-        p = _load_p(target_row_ptr, scratch_p_ptr, cols, mask, in_scratch)
-        q = p
+        p, q = _load_pq(
+            target_row_ptr,
+            q_row_ptr,
+            scratch_p_ptr,
+            scratch_q_ptr,
+            cols,
+            mask,
+            mask,
+            in_scratch,
+            HAS_DRAFT_PROBS,
+        )
         if HAS_DRAFT_PROBS:
-            q = _load_p(q_row_ptr, scratch_q_ptr, cols, mask, in_scratch)
-            rest = tl.where(cols == token, 0.0, q)
-            q_total += tl.sum(rest.to(tl.float64), axis=0)
+            q_total += tl.sum(tl.where(cols == token, 0.0, q).to(tl.float64), axis=0)
         p_total += tl.sum(_residual(p, q, cols, token, full).to(tl.float64), axis=0)
-    for lo in range(0, vocab_size, BLOCK):
+    for lo in range(0, vocab_size, BLOCK):  # the same chunks again, now normalised
         cols = lo + tl.arange(0, BLOCK)
         mask = cols < vocab_size
-        p = _load_p(target_row_ptr, scratch_p_ptr, cols, mask, in_scratch)
-        q = p
+        p, q = _load_pq(
+            target_row_ptr,
+            q_row_ptr,
+            scratch_p_ptr,
+            scratch_q_ptr,
+            cols,
+            mask,
+            mask,
+            in_scratch,
+            HAS_DRAFT_PROBS,
+        )
         if HAS_DRAFT_PROBS:
-            q = _load_p(q_row_ptr, scratch_q_ptr, cols, mask, in_scratch)
             rest = tl.where(cols == token, 0.0, q)
             q_next = tl.where(q_total > 0, (rest.to(tl.float64) / q_total).to(tl.float32), q)
             tl.store(scratch_q_ptr + cols, q_next, mask=mask)
@@ -106,12 +141,18 @@ def _race(
     for lo in range(0, vocab_size, BLOCK):
         cols = lo + tl.arange(0, BLOCK)
         mask = cols < vocab_size
-        p = _load_p(target_row_ptr, scratch_p_ptr, cols, mask, in_scratch)
-        q = p
-        if HAS_DRAFT_PROBS:  # (no draft row to read before a rejection)
-            q = _load_p(
-                q_row_ptr, scratch_q_ptr, cols, mask & ((cols * 0 + pending_token) >= 0), in_scratch
-            )
+        q_mask = mask & ((cols * 0 + pending_token) >= 0)  # no draft row before a rejection
+        p, q = _load_pq(
+            target_row_ptr,
+            q_row_ptr,
+            scratch_p_ptr,
+            scratch_q_ptr,
+            cols,
+            mask,
+            q_mask,
+            in_scratch,
+            HAS_DRAFT_PROBS,
+        )
         r = tl.where(pending_token >= 0, _residual(p, q, cols, pending_token, full), p)
         inv_exp = tl.load(inv_exp_row_ptr + cols, mask=mask, other=0.0)
         # Masked lanes score 0 and sit after every real lane, so ties never pick them.
