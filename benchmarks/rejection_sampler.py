@@ -89,22 +89,15 @@ def drawn_inputs(args_: tuple, greedy: torch.Tensor, k: int) -> RejectionInputs:
     drafts, num_draft, draft_probs, target, bonus = args_
     needs = [not g for g in greedy.tolist()]
     device = target.device
-    cu = torch.arange(len(num_draft) + 1, device=device) * k
-    parents = (torch.arange(k, device=device) - 1).repeat(len(num_draft))
-    return RejectionInputs(
+    return RejectionInputs.for_chains(
+        list(num_draft),
         draft_token_ids=drafts,
-        cu_num_draft_tokens=cu,
-        draft_parents=parents,
         target_probs=target,
-        target_row_starts=cu[:-1],
         draft_probs=draft_probs,
-        has_draft_probs=None,
         bonus_token_ids=bonus,
         is_greedy=greedy,
         uniforms=draw_uniforms(num_draft, needs, {}, device),
         inv_exponentials=draw_inv_exponentials(needs, {}, target.shape[1], device),
-        max_depth=k,
-        all_chains=True,
     )
 
 

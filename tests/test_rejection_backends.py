@@ -46,16 +46,8 @@ def to_device(inputs: RejectionInputs) -> RejectionInputs:
 def chain_inputs(*, cu_num_draft_tokens, max_spec_len, **fields) -> RejectionInputs:
     """Chains in `rejection_sample`'s layout: request i's rows are its drafts' (cu[i] on)."""
     num_draft = (cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]).tolist()
-    parents = torch.tensor([p for n in num_draft for p in range(-1, n - 1)], dtype=torch.int64)
-    return RejectionInputs(
-        cu_num_draft_tokens=cu_num_draft_tokens,
-        draft_parents=parents,
-        target_row_starts=cu_num_draft_tokens[:-1],
-        has_draft_probs=None,
-        max_depth=max_spec_len,
-        all_chains=True,
-        **fields,
-    )
+    assert max(num_draft, default=0) == max_spec_len
+    return RejectionInputs.for_chains(num_draft, **fields)
 
 
 def rejection_sample_ref(inputs: RejectionInputs) -> torch.Tensor:

@@ -45,6 +45,40 @@ class RejectionInputs:
     # folded, and the torch path reads nothing back per draft)
     all_chains: bool
 
+    @classmethod
+    def for_chains(
+        cls,
+        num_draft_tokens: list[int],  # [batch]
+        *,
+        draft_token_ids: torch.Tensor,
+        target_probs: torch.Tensor,  # [num_tokens, vocab]: one row per draft, no bonus rows
+        draft_probs: torch.Tensor | None,
+        bonus_token_ids: torch.Tensor,
+        is_greedy: torch.Tensor,
+        uniforms: torch.Tensor | None,
+        inv_exponentials: torch.Tensor | None,
+    ) -> RejectionInputs:
+        """Chains in the layout of vLLM's rejection sampler: request i's rows are its drafts'
+        (the bonus token is given, so leaf rows do not exist)."""
+        device = target_probs.device
+        cu = torch.tensor([0, *num_draft_tokens], dtype=torch.int64).cumsum(0).to(device)
+        parents = [p for n in num_draft_tokens for p in range(-1, n - 1)]
+        return cls(
+            draft_token_ids=draft_token_ids,
+            cu_num_draft_tokens=cu,
+            draft_parents=torch.tensor(parents, dtype=torch.int64, device=device),
+            target_probs=target_probs,
+            target_row_starts=cu[:-1],
+            draft_probs=draft_probs,
+            has_draft_probs=None,
+            bonus_token_ids=bonus_token_ids,
+            is_greedy=is_greedy,
+            uniforms=uniforms,
+            inv_exponentials=inv_exponentials,
+            max_depth=max(num_draft_tokens, default=0),
+            all_chains=True,
+        )
+
     @property
     def batch_size(self) -> int:
         return self.is_greedy.shape[0]

@@ -75,22 +75,15 @@ def rejection_sample(
         vocab = target_probs.shape[1]
         uniforms = draw_uniforms(num_draft, needs_draws, generators, device)
         inv_exponentials = draw_inv_exponentials(needs_draws, generators, vocab, device)
-    cu = torch.tensor([0, *num_draft], dtype=torch.int64).cumsum(0).to(device)
-    parents = [p for n in num_draft for p in range(-1, n - 1)]
-    inputs = RejectionInputs(
+    inputs = RejectionInputs.for_chains(
+        num_draft,
         draft_token_ids=draft_token_ids.long().contiguous(),
-        cu_num_draft_tokens=cu,
-        draft_parents=torch.tensor(parents, dtype=torch.int64, device=device),
         target_probs=target_probs.float().contiguous(),
-        target_row_starts=cu[:-1],  # a chain's rows: one per draft; the bonus is given
         draft_probs=None if draft_probs is None else draft_probs.float().contiguous(),
-        has_draft_probs=None,
         bonus_token_ids=bonus_token_ids.long().contiguous(),
         is_greedy=is_greedy.contiguous(),
         uniforms=uniforms,
         inv_exponentials=inv_exponentials,
-        max_depth=max(num_draft, default=0),
-        all_chains=True,
     )
     return run_rejection(inputs, backend).token_ids
 
