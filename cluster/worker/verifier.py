@@ -111,6 +111,8 @@ class Verifier:
         if not states:
             return [], {}
         out = self.sampler(logits, self._sampling_metadata(states))
+        for st in states:
+            st.draft_probs = None  # drafts not verified this step are dropped with it
         lp = out.logprobs.reshape(len(states), 1) if out.logprobs is not None else None
         return [[t] for t in out.token_ids.tolist()], _logprobs_by_request(
             lp, states, [1] * len(states)
