@@ -95,7 +95,7 @@ def main() -> None:
             try:
                 tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
                 results[cache].append(run(engine, tokenizer, questions, args.concurrency, params))
-                hit_rate = engine.engine.core.get_metrics()["prefix_cache_hit_rate"]
+                hit_rate = engine.core.get_metrics()["prefix_cache_hit_rate"]
             finally:
                 engine.shutdown()
             print(

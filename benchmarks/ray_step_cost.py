@@ -45,7 +45,7 @@ def in_process(config: Any, prompts: list[str], params: Any) -> dict[str, float]
     from cluster.llm import build_engine
 
     engine = AsyncLLM(build_engine(config))
-    scheduler = engine.engine.core.scheduler
+    scheduler = engine.core.scheduler
     try:
         asyncio.run(_run_all(engine.generate, prompts[:1], params))  # warm-up
         first_step = scheduler.step_id

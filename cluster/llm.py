@@ -33,14 +33,6 @@ def build_engine(config: EngineConfig, executor: Executor | None = None) -> LLME
     return LLMEngine(core, tokenizer)
 
 
-def _merged(request_id: str, sequences: list[RequestOutput]) -> RequestOutput:
-    """One request's output from its sequences' (`n` > 1), completion i with index i."""
-    if len(sequences) == 1:
-        return sequences[0]
-    outputs = [s.outputs[0].model_copy(update={"index": i}) for i, s in enumerate(sequences)]
-    return sequences[0].model_copy(update={"request_id": request_id, "outputs": outputs})
-
-
 class LLM:
     """An engine in this process. `model=None` serves the embedded default model."""
 
@@ -110,32 +102,23 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling_params")
         engine = self.engine
-        # One engine request per sequence: request i's choices are "i", or "i.0", "i.1", ...
-        ids = [engine.next_request_id() for _ in prompts]
-        choices = [
-            [(f"{rid}.{j}", c) for j, c in enumerate(p.choices())]
-            if isinstance(p, SamplingParams) and p.n > 1
-            else [(rid, p)]  # (anything but SamplingParams is refused by add_request)
-            for rid, p in zip(ids, params, strict=True)
-        ]
+        request_ids = [engine.next_request_id() for _ in prompts]
         added: list[str] = []
         try:
-            for i, (prompt, sequences) in enumerate(zip(prompts, choices, strict=True)):
-                for request_id, p in sequences:
-                    try:
-                        engine.add_request(request_id, prompt, p)
-                    except ValueError as e:
-                        raise ValueError(f"prompt {i}: {e}") from e
-                    added.append(request_id)
+            for i, (request_id, prompt, p) in enumerate(
+                zip(request_ids, prompts, params, strict=True)
+            ):
+                try:
+                    engine.add_request(request_id, prompt, p)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from e
+                added.append(request_id)
         except ValueError:
             for request_id in added:
                 engine.abort_request(request_id)
             raise
-        finished = self._run(added, use_tqdm)
-        return [
-            _merged(rid, [finished[seq] for seq, _ in sequences])
-            for rid, sequences in zip(ids, choices, strict=True)
-        ]
+        finished = self._run(request_ids, use_tqdm)
+        return [finished[request_id] for request_id in request_ids]
 
     def chat(
         self,
@@ -162,9 +145,9 @@ class LLM:
         wanted = set(request_ids)
         with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm) as bar:
             while len(finished) < len(request_ids) and self.engine.has_unfinished_requests():
-                for state in self.engine.step():
-                    if state.finish_reason is not None and state.request_id in wanted:
-                        finished[state.request_id] = state.output()
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
                         bar.update(1)
         return finished
 

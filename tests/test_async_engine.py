@@ -78,7 +78,42 @@ def test_abort_and_early_exit_free_the_request(engine):
 
     assert asyncio.run(main()) >= 3
     assert engine.num_unfinished_requests == 0
-    core = engine.engine.core
+    core = engine.core
     assert not core.has_unfinished_requests()
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
     engine.check_health()
+
+
+def test_n_sequences_stream_together_and_leaving_frees_them_all(engine):
+    """`n` = 3 through the async API: each output holds all three completions so far
+    (index 0..2, cumulative), the last one finished only when all are; sequence j is the
+    request seeded with seed + j alone. Leaving early aborts every sequence."""
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True, n=3)
+    outputs = asyncio.run(_collect(engine, "once upon", params, "fan"))
+    assert all(o.request_id == "fan" for o in outputs)
+    assert all([c.index for c in o.outputs] == [0, 1, 2] for o in outputs)
+    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    for before, after in itertools.pairwise(outputs):
+        for a, b in zip(before.outputs, after.outputs, strict=True):
+            assert b.token_ids[: len(a.token_ids)] == a.token_ids
+    for j, completion in enumerate(outputs[-1].outputs):
+        alone = params.model_copy(update={"n": 1, "seed": 5 + j})
+        assert (
+            completion.token_ids
+            == asyncio.run(_collect(engine, "once upon", alone))[-1].outputs[0].token_ids
+        )
+    assert len({tuple(c.token_ids) for c in outputs[-1].outputs}) > 1
+
+    long = params.model_copy(update={"max_tokens": 100})
+
+    async def leave_early():
+        async for out in engine.generate("stream me", long, "fan-leaver"):
+            if sum(len(c.token_ids) for c in out.outputs) >= 3:
+                break
+        await asyncio.sleep(0.2)
+
+    asyncio.run(leave_early())
+    assert engine.num_unfinished_requests == 0
+    core = engine.core
+    assert not core.has_unfinished_requests()
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks

@@ -127,9 +127,14 @@ def test_n_sequences_per_prompt(llm):
         outs[1].outputs[0].token_ids
         == llm.generate("abc", greedy, use_tqdm=False)[0].outputs[0].token_ids
     )
-    # an engine request is one sequence: n > 1 goes through LLM.generate or the routes
-    with pytest.raises(ValueError, match="n=2"):
-        llm.engine.add_request("x", "abc", greedy.model_copy(update={"n": 2}))
+    # the front end fans n out wherever a request enters: here the engine's own add_request
+    llm.engine.add_request("x", "abc", greedy.model_copy(update={"n": 2}))
+    finished = []
+    while not finished:
+        finished = [o for o in llm.engine.step() if o.finished]
+    (out,) = finished
+    assert out.request_id == "x" and [c.index for c in out.outputs] == [0, 1]
+    assert [c.token_ids for c in out.outputs] == [outs[1].outputs[0].token_ids] * 2
 
 
 def test_seeded_sampling_is_independent_of_the_batch(llm):

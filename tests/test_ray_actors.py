@@ -72,7 +72,7 @@ def test_tp2_worker_actors_match_in_process_engine(ray_session, tiny, channel):
             engine.add_request(request_id, prompt, GREEDY)
         done = {}
         while engine.has_unfinished_requests():
-            done.update({s.request_id: s.token_ids for s in engine.step() if s.finish_reason})
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
         executor.check_health()
     finally:
         engine.shutdown()
@@ -347,8 +347,8 @@ def test_an_abort_that_overtakes_its_add_drops_the_request(ray_session, tiny):
     try:
         ray.get(actor.abort.remote(["early"]))
         request = Request("early", [5, 6, 7], _long_params(), eos_token_id=0)
-        ray.get(actor.add_request.remote(encode_request(request)))
-        ray.get(actor.add_request.remote(encode_request(Request("kept", [5, 6], GREEDY, 0))))
+        ray.get(actor.submit.remote([encode_request(request)]))
+        ray.get(actor.submit.remote([encode_request(Request("kept", [5, 6], GREEDY, 0))]))
         seen: set[str] = set()
 
         async def until_kept_finishes():

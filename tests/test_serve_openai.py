@@ -19,7 +19,6 @@ from transformers import AutoTokenizer
 from cluster import LLM, SamplingParams
 from cluster.cli import main
 from cluster.serve import GenerateRequest, load_manifest
-from cluster.serve.errors import InvalidRequestError
 from cluster.serve.launch import deploy
 from cluster.serve.openai_protocol import CompletionRequest
 from cluster.structured_outputs import StructuredOutputsParams
@@ -183,9 +182,9 @@ def test_n_choices_streamed_or_not(served):
 
 def test_choice_i_samples_with_seed_plus_i():
     request = CompletionRequest(model="m", prompt="p", n=3, seed=5, temperature=1)
-    assert [p.seed for p in request.choice_params()] == [5, 6, 7]
+    assert [p.seed for p in request.sampling_params().choices()] == [5, 6, 7]
     request = CompletionRequest(model="m", prompt="p", n=2)
-    assert [p.seed for p in request.choice_params()] == [None, None]
+    assert [p.seed for p in request.sampling_params().choices()] == [None, None]
 
 
 def test_handle_generates_and_streams_the_same(served):
@@ -203,10 +202,20 @@ def test_handle_generates_and_streams_the_same(served):
     assert not any(c.finished for c in streamed[:-1])
     assert "".join(c.text for c in streamed) == expected.text
     assert [t for c in streamed for t in c.token_ids] == expected.token_ids
-    # A handle request is one sequence (the routes and LLM.generate fan n out).
+    # n choices: a list of whole answers, or pieces naming their choice
     two = params.model_copy(update={"n": 2})
-    with pytest.raises(InvalidRequestError, match="n=2: an engine request is one sequence"):
-        llm.generate.remote(GenerateRequest(prompt=PROMPT, sampling_params=two)).result()
+    answers = llm.generate.remote(GenerateRequest(prompt=PROMPT, sampling_params=two)).result()
+    assert [(a.index, a.text, a.token_ids) for a in answers] == [
+        (j, expected.text, expected.token_ids) for j in (0, 1)
+    ]
+    pieces = list(
+        llm.options(stream=True).generate.remote(
+            GenerateRequest(prompt=PROMPT, sampling_params=two, stream=True)
+        )
+    )
+    for j in (0, 1):
+        mine = [p for p in pieces if p.index == j]
+        assert "".join(p.text for p in mine) == expected.text and mine[-1].finished
 
 
 def _get(url, headers=None, body=None):

@@ -107,16 +107,16 @@ class EngineClient:
         """
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
-        request = self.frontend.admit(request_id, prompt, params)
+        requests = self.frontend.admit(request_id, prompt, params)
         # Merging without end (inf) yields the first output and the final one: only
         # those are built and queued.
         queue = self.frontend.open_stream(
-            request_id, request.sampling_params, first_and_final=interval_s == inf
+            request_id, requests[0].sampling_params, first_and_final=interval_s == inf
         )
         finished = False
         try:
             self._ensure_pump()
-            await self.scheduler.add_request.remote(encode_request(request))
+            await self.scheduler.submit.remote([encode_request(r) for r in requests])
             async for item in stream_outputs(queue, interval_s):
                 finished = item.finished
                 yield item
@@ -127,9 +127,9 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         """Forget the request here and free it in the scheduler (fire and forget, and
         never cancelled with the call that aborts: see `detached`)."""
-        self.frontend.abort(request_id)
-        if self.error is None:
-            detached(self.scheduler.abort.remote, [request_id])
+        sequence_ids = self.frontend.abort(request_id)
+        if self.error is None and sequence_ids:
+            detached(self.scheduler.abort.remote, sequence_ids)
 
     @property
     def num_unfinished_requests(self) -> int:

@@ -5,7 +5,7 @@ workers (they fate-share with it, and it with the Serve replica that created it)
 core runs in an `EngineLoop` (the same loop as `AsyncLLM`'s): apply queued commands,
 `core.step()` (which sends the msgpack scheduler output to every worker and takes the
 reporting rank's result), publish the per-request outputs. Callers never touch the core
-directly: `add_request`, `abort` and `finish_by_stop_string` only queue commands, and
+directly: `submit`, `abort` and `finish_by_stop_string` only queue commands, and
 what the loop publishes is
 pushed to the replica over the output socket (`output_socket`, `OutputSender`) as soon
 as it exists: one message per step carries every request's tokens, with no Ray call.
@@ -71,17 +71,23 @@ class SchedulerActor:
         self.loop = EngineLoop(self.core, self._publish, self._fail, name="cluster-step-loop")
 
     # ---- commands (any thread) -----------------------------------------------------------
-    def add_request(self, payload: bytes) -> None:
-        request = decode_request(payload)
+    def submit(self, payloads: list[bytes]) -> None:
+        """Add the encoded requests (one user request's sequences), all or none."""
+        requests = [decode_request(payload) for payload in payloads]
         with self._cv:
             self._raise_if_dead()
-            if request.request_id in self._live:
-                raise ValueError(f"request_id {request.request_id!r} is already in the engine")
-            if request.request_id in self._aborted_unknown:
-                del self._aborted_unknown[request.request_id]
-                return  # its client already left
-            self._live.add(request.request_id)
-        self.loop.submit(request)
+            for request in requests:
+                if request.request_id in self._live:
+                    raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+            wanted = []
+            for request in requests:
+                if request.request_id in self._aborted_unknown:
+                    del self._aborted_unknown[request.request_id]
+                    continue  # its client already left
+                self._live.add(request.request_id)
+                wanted.append(request)
+        for request in wanted:
+            self.loop.submit(request)
 
     def abort(self, request_ids: list[str]) -> None:
         with self._cv:

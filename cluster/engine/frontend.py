@@ -7,6 +7,11 @@ stop strings); and it keeps the streams of callers waiting for outputs, holding 
 text that a stop string may still claim and handing each output to its caller's event
 loop from whatever thread produced it.
 
+A request with `n` > 1 sequences is fanned out here and nowhere else: sequence j is the
+engine request `"{request_id}.{j}"` (sampled with `seed + j` when seeded, as vLLM does),
+and the request's outputs hold every sequence's completion so far, choice j at index j,
+finished when all are. Everything past the front end sees only one-sequence requests.
+
 The offline `LLM` (through `LLMEngine`), `AsyncLLM` and the Serve replica's
 `EngineClient` all go through it, so a request means the same everywhere.
 """
@@ -41,6 +46,33 @@ class _Stream:
     started: bool = False  # an output was queued
 
 
+@dataclass(eq=False)  # compared and hashed by identity
+class UserRequest:
+    """One user request: its sequences' states, choice j at index j (one when n = 1,
+    under the request's own id)."""
+
+    request_id: str
+    sequences: list[RequestState]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+    def output(self, streaming_holdback: int = 0) -> RequestOutput:
+        first = self.sequences[0]
+        prompt_logprobs = next(
+            (s.prompt_logprobs for s in self.sequences if s.prompt_logprobs is not None), None
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=[s.completion(j, streaming_holdback) for j, s in enumerate(self.sequences)],
+            finished=self.finished,
+        )
+
+
 class FrontEnd:
     def __init__(self, tokenizer: Any, model: ModelConfig) -> None:
         self.tokenizer = tokenizer
@@ -52,22 +84,41 @@ class FrontEnd:
             t for t in model.generation_eos_token_ids if t != tokenizer.eos_token_id
         )
         self.output_processor = OutputProcessor(tokenizer)
-        self._streams: dict[str, _Stream] = {}
+        self._requests: dict[str, UserRequest] = {}  # by user request id
+        self._by_sequence: dict[str, UserRequest] = {}  # by engine request (sequence) id
+        self._streams: dict[str, _Stream] = {}  # by user request id
 
     # ---- admission -----------------------------------------------------------------------
-    def admit(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
-        """The engine request for `prompt`, its output state registered here; raises
-        ValueError naming what is wrong (nothing is registered then)."""
-        if request_id in self.output_processor.states:
-            raise ValueError(f"request_id {request_id!r} is already in the engine")
+    def admit(self, request_id: str, prompt: Prompt, params: SamplingParams) -> list[Request]:
+        """The engine requests for `prompt` (`params.n` of them), their output states
+        registered here; raises ValueError naming what is wrong (nothing is registered
+        then)."""
         text, ids = process_prompt(prompt, self.tokenizer, self.max_model_len, self.vocab_size)
         params = check_params(params, self.vocab_size, self.max_model_len, len(ids))
         extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
         if extra and not params.ignore_eos:
             params = params.model_copy(update={"stop_token_ids": (*params.stop_token_ids, *extra)})
-        request = Request(request_id, ids, params, eos_token_id=self.tokenizer.eos_token_id)
-        self.output_processor.track(request_id, text, ids, params)
-        return request
+        choices = params.choices()
+        sequence_ids = (
+            [request_id]
+            if len(choices) == 1
+            else [f"{request_id}.{j}" for j in range(len(choices))]
+        )
+        taken = [
+            i for i in {request_id, *sequence_ids} if i in self._requests or i in self._by_sequence
+        ]
+        if taken:
+            raise ValueError(f"request_id {taken[0]!r} is already in the engine")
+        requests = []
+        states = []
+        for sequence_id, choice in zip(sequence_ids, choices, strict=True):
+            eos = self.tokenizer.eos_token_id
+            requests.append(Request(sequence_id, list(ids), choice, eos_token_id=eos))
+            states.append(self.output_processor.track(sequence_id, text, ids, choice))
+        user_request = UserRequest(request_id, states)
+        self._requests[request_id] = user_request
+        self._by_sequence.update((sequence_id, user_request) for sequence_id in sequence_ids)
+        return requests
 
     def chat_prompt(
         self,
@@ -95,36 +146,53 @@ class FrontEnd:
     # ---- outputs -------------------------------------------------------------------------
     def process(
         self, outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestState], list[tuple[str, str]]]:
-        """Apply one step's outputs and deliver them to their streams. Returns the updated
-        states and `(request_id, stop)` for requests a stop string ended (the caller
-        tells the core to free them)."""
+    ) -> tuple[list[UserRequest], list[tuple[str, str]]]:
+        """Apply one step's outputs and deliver them to their streams. Returns the requests
+        this step advanced (`.output()` builds one's output), and `(engine request id,
+        stop)` for sequences a stop string ended (the caller tells the core to free them)."""
         updated, stopped = self.output_processor.process(outputs)
-        for state in updated:
-            stream = self._streams.get(state.request_id)
+        advanced = dict.fromkeys(
+            self._by_sequence[s.request_id] for s in updated if s.request_id in self._by_sequence
+        )
+        for user_request in advanced:
+            finished = user_request.finished
+            if finished:
+                self._forget(user_request)
+            stream = self._streams.get(user_request.request_id)
             if stream is None:
                 continue
-            if state.finish_reason is not None:
-                del self._streams[state.request_id]
+            if finished:
+                del self._streams[user_request.request_id]
             elif stream.first_and_final and stream.started:
                 continue
             stream.started = True
-            _put(stream, state.output(stream.holdback))
-        return updated, stopped
+            _put(stream, user_request.output(stream.holdback))
+        return list(advanced), stopped
 
-    def abort(self, request_id: str) -> RequestState | None:
-        """Forget the request here; its stream, if still open, gets the final output."""
+    def abort(self, request_id: str) -> list[str]:
+        """Forget the request here (its stream, if still open, gets the final output).
+        Returns its engine request ids, for the core to free."""
+        user_request = self._requests.get(request_id)
         stream = self._streams.pop(request_id, None)
-        state = self.output_processor.abort(request_id)
-        if stream is not None and state is not None:
-            _put(stream, state.output())
-        return state
+        if user_request is None:
+            return []
+        self._forget(user_request)
+        for state in user_request.sequences:
+            self.output_processor.abort(state.request_id)
+        if stream is not None:
+            _put(stream, user_request.output())
+        return [s.request_id for s in user_request.sequences]
+
+    def _forget(self, user_request: UserRequest) -> None:
+        del self._requests[user_request.request_id]
+        for state in user_request.sequences:
+            self._by_sequence.pop(state.request_id, None)
 
     # ---- streams -------------------------------------------------------------------------
     def open_stream(
         self, request_id: str, params: SamplingParams, first_and_final: bool = False
     ) -> asyncio.Queue:
-        """A queue of the request's outputs for the running event loop (with
+        """A queue of the (admitted) request's outputs for the running event loop (with
         `first_and_final`, of its first and its final output alone)."""
         holdback = max((len(s) for s in params.stop), default=1) - 1
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop(), holdback, first_and_final)
@@ -180,11 +248,6 @@ def check_params(
         raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
     # Validated again: `model_copy(update=...)` skips pydantic's validators.
     params = SamplingParams(**params.model_dump())
-    if params.n != 1:
-        raise ValueError(
-            f"n={params.n}: an engine request is one sequence; LLM.generate and the OpenAI "
-            "routes serve n > 1 as n requests (SamplingParams.choices())"
-        )
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > vocab_size:

@@ -12,7 +12,7 @@ from typing import Any
 
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.messages import EngineCoreOutput, TokenLogprobs
-from cluster.outputs import CompletionOutput, Logprob, RequestOutput
+from cluster.outputs import CompletionOutput, Logprob
 from cluster.sampling_params import SamplingParams
 
 
@@ -33,12 +33,14 @@ class RequestState:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
-    def output(self, streaming_holdback: int = 0) -> RequestOutput:
+    def completion(self, index: int = 0, streaming_holdback: int = 0) -> CompletionOutput:
+        """This sequence as choice `index` of its request's output."""
         text = self.text
         if streaming_holdback and self.finish_reason is None:
             # Do not show what may become the beginning of a stop string.
             text = text[: max(0, len(text) - streaming_holdback)]
-        completion = CompletionOutput(
+        return CompletionOutput(
+            index=index,
             text=text,
             token_ids=list(self.token_ids),
             cumulative_logprob=self.cumulative_logprob,
@@ -47,14 +49,6 @@ class RequestState:
             stop_reason=self.stop_reason,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
-        )
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=self.prompt_logprobs,
-            outputs=[completion],
-            finished=self.finish_reason is not None,
         )
 
 
@@ -69,8 +63,8 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-    ) -> None:
-        self.states[request_id] = RequestState(
+    ) -> RequestState:
+        state = self.states[request_id] = RequestState(
             request_id,
             prompt,
             prompt_token_ids,
@@ -79,6 +73,7 @@ class OutputProcessor:
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
         )
+        return state
 
     def process(
         self, core_outputs: list[EngineCoreOutput]

@@ -10,8 +10,9 @@ status: the first chunk of a stream is awaited before the response starts, so a 
 request, a full engine queue or a dead engine is a 400/429/503, not a 200 with a broken
 body.
 When the client goes away the stream is cancelled, which aborts the request in the
-engine and frees its KV blocks. `n` choices are `n` engine requests (awaited together,
-their streams merged chunk by chunk with each choice's index). A Bearer API key, when configured, guards every path
+engine and frees its KV blocks. A list of prompts is one request per prompt (awaited
+together, their streams merged chunk by chunk); prompt i's `n` choices (fanned out by the
+engine's front end) are the response's choices i * n to i * n + n - 1. A Bearer API key, when configured, guards every path
 but `/health` and `/metrics` (the OpenAPI schema and docs pages included), and is checked before the
 body is read, so an unauthenticated caller learns nothing about the schema.
 """
@@ -199,10 +200,10 @@ def make_server_class() -> type:
         async def _serve(self, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Any:
             try:
                 self._check_model(body.model)
-                requests = [  # choice i * n + j: prompt i's j-th
+                params = body.sampling_params()
+                requests = [  # prompt i's n choices are the response's i * n ... i * n + n - 1
                     GenerateRequest(**fields, sampling_params=params, stream=body.stream)
                     for fields in body.prompts()
-                    for params in body.choice_params()
                 ]
             except ValidationError as e:
                 return error_response(InvalidRequestError(validation_message(e)))
@@ -226,11 +227,11 @@ def make_server_class() -> type:
                 )
             formatter = ResponseFormatter(self.model_id, chat, echo_only, body.n, tools, parser)
             if not body.stream:
-                try:  # one engine request per choice; the first failure cancels the rest
-                    outputs = await _all_or_none([self.generate(r) for r in requests])
+                try:  # one request per prompt; the first failure cancels the rest
+                    answers = await _all_or_none([self._whole(r) for r in requests])
                 except Exception as e:
                     return error_response(e)
-                return JSONResponse(formatter.full(outputs))
+                return JSONResponse(formatter.full([a for choices in answers for a in choices]))
             streams = [self._run(r) for r in requests]
             try:
                 # A stream's first chunk is awaited here, so that errors are statuses.
@@ -240,7 +241,7 @@ def make_server_class() -> type:
                 if isinstance(e, Exception):
                     return error_response(e)
                 raise
-            events = _events(firsts, streams, formatter, body.include_usage)
+            events = _events(firsts, streams, formatter, body.include_usage, body.n)
             return StreamingResponse(events, media_type="text/event-stream")
 
     return OpenAIServer
@@ -269,18 +270,26 @@ async def _events(
     streams: list[AsyncGenerator[GenerateOutput, None]],
     formatter: ResponseFormatter,
     include_usage: bool,
+    n: int,
 ) -> AsyncIterator[str]:
-    lasts = list(firsts)
+    """Server-sent events of every prompt's stream; prompt i's choice j is index i * n + j."""
+    lasts: dict[int, GenerateOutput] = {}
+
+    def event(i: int, out: GenerateOutput) -> str | None:
+        index = i * n + out.index
+        lasts[index] = out
+        chunk = formatter.chunk(out, index)
+        return None if chunk is None else _sse(chunk)
+
     try:
-        for index, first in enumerate(firsts):
-            if (chunk := formatter.chunk(first, index)) is not None:
-                yield _sse(chunk)
-        async for index, out in _merged(streams):
-            lasts[index] = out
-            if (chunk := formatter.chunk(out, index)) is not None:
-                yield _sse(chunk)
+        for i, first in enumerate(firsts):
+            if (text := event(i, first)) is not None:
+                yield text
+        async for i, out in _merged(streams):
+            if (text := event(i, out)) is not None:
+                yield text
         if include_usage:
-            yield _sse(formatter.usage_chunk(lasts))
+            yield _sse(formatter.usage_chunk([lasts[k] for k in sorted(lasts)]))
         yield _sse("[DONE]")
     except Exception as e:  # the status is already 200: report in the stream
         status, error_type, message = classify(e)

@@ -220,10 +220,6 @@ class _OpenAIRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def choice_params(self) -> list[SamplingParams]:
-        """The sampling parameters of each of the `n` choices."""
-        return self.sampling_params().choices()  # type: ignore[attr-defined]
-
 
 class CompletionRequest(_OpenAIRequest):
     # one prompt (text or token ids) or a list of them; choice i * n + j is prompt i's j-th

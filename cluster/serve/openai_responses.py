@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any
 
-from cluster.serve.protocol import GenerateOutput, TokenLogprob
+from cluster.serve.protocol import GenerateOutput, TokenLogprob, joined
 from cluster.serve.tools import ToolCalling
 
 
@@ -161,14 +161,7 @@ class ResponseFormatter:
         if out.finish_reason is None:
             return None
         del self._held[index]
-        logprobs = [t for o in held if o.logprobs for t in o.logprobs]
-        whole = out.model_copy(
-            update={
-                "text": "".join(o.text for o in held),
-                "token_ids": [t for o in held for t in o.token_ids],
-                "logprobs": logprobs if out.logprobs is not None else None,
-            }
-        )
+        whole = joined(held)
         message, finish = self._tool_message(whole)
         if "tool_calls" in message:
             message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]

@@ -6,8 +6,9 @@
     ): ...
 
 A streamed request yields `GenerateOutput` chunks whose `text` and `token_ids` are what
-is new since the previous chunk (their concatenation is the whole answer); a
-non-streamed one returns a single `GenerateOutput` holding everything. `stream` must
+is new since the previous chunk of the same choice (`index`; their concatenation is the
+whole answer); a non-streamed one returns a single `GenerateOutput` holding everything,
+or with `sampling_params.n` > 1 a list of them, choice j at index j. `stream` must
 match how the handle is called, as with OpenAI's `stream` flag (Serve cannot tell a
 replica which of the two calls it is serving).
 """
@@ -179,6 +180,7 @@ class TokenLogprob(BaseModel):
 
 class GenerateOutput(BaseModel):
     request_id: str
+    index: int = 0  # which of the request's `n` choices this is
     text: str  # streamed: the new text of this chunk; otherwise the whole answer
     token_ids: list[int]  # likewise
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -197,3 +199,17 @@ class GenerateOutput(BaseModel):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def joined(pieces: list[GenerateOutput]) -> GenerateOutput:
+    """One choice's whole answer from its streamed pieces (in order)."""
+    first, last = pieces[0], pieces[-1]
+    whole: dict[str, Any] = {
+        "text": "".join(p.text for p in pieces),
+        "token_ids": [t for p in pieces for t in p.token_ids],
+        "prompt": first.prompt,
+        "prompt_logprobs": first.prompt_logprobs,
+    }
+    if last.logprobs is not None:
+        whole["logprobs"] = [t for p in pieces for t in p.logprobs or []]
+    return last.model_copy(update=whole)

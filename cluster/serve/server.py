@@ -42,7 +42,7 @@ from cluster.serve.prefix_router import (
     ONGOING_REQUESTS,
     REPORTED_AT,
 )
-from cluster.serve.protocol import GenerateOutput, GenerateRequest, TokenLogprob
+from cluster.serve.protocol import GenerateOutput, GenerateRequest, TokenLogprob, joined
 
 logger = logging.getLogger("ray.serve")
 
@@ -121,83 +121,86 @@ class LLMServer:
     # ---- the handle API ------------------------------------------------------------------
     async def generate(
         self, request: GenerateRequest | dict[str, Any]
-    ) -> GenerateOutput | AsyncIterator[GenerateOutput]:
-        """The whole answer, or (when `request.stream`) an async iterator of new pieces."""
+    ) -> GenerateOutput | list[GenerateOutput] | AsyncIterator[GenerateOutput]:
+        """The whole answer (with `sampling_params.n` > 1, the list of the `n` answers,
+        choice j at index j), or (when `request.stream`) an async iterator of new pieces,
+        each naming its choice (`index`)."""
         try:
             request = GenerateRequest.model_validate(request)
         except ValidationError as e:
             raise InvalidRequestError(str(e)) from None
         if request.stream:
             return self._run(request)
-        text, token_ids, logprobs, first, last = [], [], [], None, None
+        answers = await self._whole(request)
+        return answers[0] if len(answers) == 1 else answers
+
+    async def _whole(self, request: GenerateRequest) -> list[GenerateOutput]:
+        """Every choice's whole answer, choice j at index j (a request not streamed)."""
+        pieces: dict[int, list[GenerateOutput]] = {}
         async for chunk in self._run(request):
-            text.append(chunk.text)
-            token_ids += chunk.token_ids
-            logprobs += chunk.logprobs or []
-            first = first or chunk
-            last = chunk
-        assert first is not None and last is not None
-        whole = {
-            "text": "".join(text),
-            "token_ids": token_ids,
-            "prompt": first.prompt,
-            "prompt_logprobs": first.prompt_logprobs,
-        }
-        if last.logprobs is not None:
-            whole["logprobs"] = logprobs
-        return last.model_copy(update=whole)
+            pieces.setdefault(chunk.index, []).append(chunk)
+        return [joined(pieces[j]) for j in sorted(pieces)]
 
     async def _run(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """New pieces of every choice as they come: a choice's first piece (possibly
+        empty) comes with the request's first output, later ones when it has advanced."""
         self._admit()
         request_id = request.request_id or uuid.uuid4().hex
+        params = request.sampling_params
         start = time.monotonic()
-        first_token_at: float | None = None
-        last: GenerateOutput | None = None
-        sent_text = sent_tokens = 0
-        outcome = "abort"  # unless it finishes or fails: the caller left
+        first_token_at: dict[int, float] = {}
+        lasts: dict[int, GenerateOutput] = {}
+        sent: dict[int, tuple[int, int]] = {}  # choice -> (characters, tokens) sent
+        failed = False
         try:
             prompt = self._prompt(request)
             # Without streaming, only the final output matters: wait for it (inf).
             interval = self._stream_interval if request.stream else inf
-            outputs = self._outputs(prompt, request.sampling_params, request_id, interval)
-            async for out in outputs:
-                completion = out.outputs[0]
-                if first_token_at is None and completion.token_ids:
-                    first_token_at = time.monotonic()
-                chunk = GenerateOutput(
-                    request_id=request_id,
-                    text=completion.text[sent_text:],
-                    token_ids=completion.token_ids[sent_tokens:],
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
-                    num_prompt_tokens=len(out.prompt_token_ids),
-                    num_output_tokens=len(completion.token_ids),
-                    num_draft_tokens=completion.num_draft_tokens,
-                    num_accepted_tokens=completion.num_accepted_tokens,
-                    logprobs=token_logprobs(
-                        completion, sent_tokens, request.sampling_params.logprobs or 0
-                    ),
-                    engine_id=self.engine.engine_id,
-                    # the prompt's parts go out once, with the first chunk
-                    prompt=self._echo(request, out) if last is None else None,
-                    prompt_logprobs=(
-                        self._prompt_logprobs(out, request.sampling_params)
-                        if last is None
-                        else None
-                    ),
-                )
-                sent_text, sent_tokens = len(completion.text), len(completion.token_ids)
-                last = chunk
-                yield chunk
-            outcome = (last.finish_reason if last else None) or "abort"
+            async for out in self._outputs(prompt, params, request_id, interval):
+                for completion in out.outputs:
+                    j, last = completion.index, lasts.get(completion.index)
+                    sent_text, sent_tokens = sent.get(j, (0, 0))
+                    if last is not None and not (
+                        len(completion.token_ids) > sent_tokens
+                        or len(completion.text) > sent_text
+                        or (completion.finished and not last.finished)
+                    ):
+                        continue
+                    if j not in first_token_at and completion.token_ids:
+                        first_token_at[j] = time.monotonic()
+                    chunk = GenerateOutput(
+                        request_id=request_id,
+                        index=j,
+                        text=completion.text[sent_text:],
+                        token_ids=completion.token_ids[sent_tokens:],
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                        num_prompt_tokens=len(out.prompt_token_ids),
+                        num_output_tokens=len(completion.token_ids),
+                        num_draft_tokens=completion.num_draft_tokens,
+                        num_accepted_tokens=completion.num_accepted_tokens,
+                        logprobs=token_logprobs(completion, sent_tokens, params.logprobs or 0),
+                        engine_id=self.engine.engine_id,
+                        # the prompt's parts go out once per choice, with its first piece
+                        prompt=self._echo(request, out) if last is None else None,
+                        prompt_logprobs=(
+                            self._prompt_logprobs(out, params) if last is None else None
+                        ),
+                    )
+                    sent[j] = (len(completion.text), len(completion.token_ids))
+                    lasts[j] = chunk
+                    yield chunk
         except EngineDeadError as e:
-            outcome = "error"
+            failed = True
             raise EngineUnavailableError(str(e)) from None
         except ValueError as e:
-            outcome = "error"
+            failed = True
             raise InvalidRequestError(str(e)) from None
         finally:
-            self._record(outcome, last, start, first_token_at)
+            for j in range(params.n):
+                last = lasts.get(j)
+                outcome = "error" if failed else (last.finish_reason if last else None) or "abort"
+                self._record(outcome, last, start, first_token_at.get(j))
 
     async def _outputs(
         self, prompt: Prompt, params: SamplingParams, request_id: str, interval: Any
