@@ -165,3 +165,37 @@ def test_every_module_is_under_350_lines():
                 if lines >= 350:
                     long.append(f"{os.path.relpath(path, ROOT)}: {lines}")
     assert not long, "split these modules (one job each):\n" + "\n".join(long)
+
+
+def _modules() -> dict[str, ast.Module]:
+    """Package-relative path -> parsed module, for every module of the package."""
+    trees = {}
+    for folder, _, files in os.walk(ROOT):
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(folder, file)
+                with open(path) as f:
+                    trees[os.path.relpath(path, ROOT)] = ast.parse(f.read())
+    return trees
+
+
+def test_one_way_in_for_requests():
+    """A request enters through three classes only (the in-process engines' shared front
+    end, the engine core, the scheduler), and only the front end fans `n` > 1 out into
+    sequences (`SamplingParams.choices()`)."""
+    adders, fanning = set(), set()
+    for path, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                defined = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+                if "add_request" in defined:
+                    adders.add(f"{path}:{node.name}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr == "choices" and path != "sampling_params.py":
+                    fanning.add(path)
+    assert adders == {
+        "engine/llm_engine.py:InProcessEngine",
+        "engine/core.py:EngineCore",
+        "engine/scheduler.py:Scheduler",
+    }
+    assert fanning == {"engine/frontend.py"}
