@@ -190,9 +190,9 @@ def test_one_way_in_for_requests():
                 defined = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
                 if "add_request" in defined:
                     adders.add(f"{path}:{node.name}")
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                if node.func.attr == "choices" and path != "sampling_params.py":
-                    fanning.add(path)
+            call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            if call and node.func.attr == "choices" and path != "sampling_params.py":
+                fanning.add(path)
     assert adders == {
         "engine/llm_engine.py:InProcessEngine",
         "engine/core.py:EngineCore",
