@@ -21,7 +21,7 @@ from typing import Any
 
 from cluster import LLM, SamplingParams
 from cluster.engine import llm_engine, messages, output_processor, scheduler
-from cluster.worker import model_runner
+from cluster.worker import input_batch
 
 warnings.filterwarnings("ignore")
 
@@ -81,9 +81,9 @@ def main() -> None:
         (messages.SchedulerOutput, "decode", "messages"),
         (messages.ModelRunnerOutput, "encode", "messages"),
         (messages.ModelRunnerOutput, "decode", "messages"),
-        (model_runner, "prepare_inputs", "model inputs"),
+        (input_batch.InputBatch, "prepare", "model inputs"),
         (runner, "target_forward", "target forward"),
-        (runner, "_sample", "sampling + verification"),
+        (runner, "_verify", "sampling + verification"),
         (runner, "_propose", "drafting"),
         (output_processor.OutputProcessor, "process", "output processing + detok"),
         (llm_engine.LLMEngine, "step", "whole step"),

@@ -2,8 +2,9 @@
 and the next step's drafts.
 
 The runner keeps a small per-request state (prompt and output ids for penalties and
-n-gram lookup, the request's generator, its block table, the distributions its pending
-drafts were sampled from) that the scheduler output updates every step. Every TP rank
+n-gram lookup, the request's generator, the distributions its pending drafts were
+sampled from) and the block tables of the running requests (`InputBatch`, persistent:
+a step writes only the blocks it appends); the scheduler output updates both every step. Every TP rank
 samples the same tokens (same logits, same generators) and proposes the same drafts, so
 all ranks agree; only one of them reports. With pipeline stages, a stage that is not the
 last runs its layers and hands the activations on; sampling and drafting happen on the
@@ -29,7 +30,7 @@ from cluster.models.compiled import CompiledForward, CompileOptions, cut_rows, p
 from cluster.parallel import ParallelState
 from cluster.parallel.pipeline import StageActivations
 from cluster.spec_decode.batch import ProposalBatch, Proposer
-from cluster.worker.input_batch import ModelInputs, prepare_inputs
+from cluster.worker.input_batch import InputBatch, ModelInputs
 from cluster.worker.kv_cache import PagedKVCache
 from cluster.worker.request_state import CachedRequestState
 from cluster.worker.state_cache import RecurrentStateCache
@@ -66,6 +67,7 @@ class ModelRunner:
         # (a draft head's layers are rewritten at the path's final slots by its pass 0).
         self.target_layers = {m.layer_idx for m in model.modules() if isinstance(m, AttentionLayer)}
         self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(kv_cache.block_size, device)
         # Batch invariance: no matrix product of the target runs on one row. CPU BLAS
         # libraries compute a single row (a matrix-vector product) in another summation
         # order than a row of a larger product, so a lone token's logits would differ from
@@ -130,14 +132,16 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.freed_req_ids:
             self.requests.pop(req_id, None)
+            self.input_batch.remove(req_id)
             if self.state_cache is not None:
                 self.state_cache.remove(req_id)
         for new in so.new_requests:
             self.requests[new.req_id] = CachedRequestState.of(new, self.device)
+            self.input_batch.add(new.req_id)
             if self.state_cache is not None:
                 self.state_cache.add(new.req_id)
         for item in so.scheduled:
-            self.requests[item.req_id].block_ids.extend(item.new_block_ids)
+            self.input_batch.append_blocks(item.req_id, item.new_block_ids)
 
     def capture_features(self, layers: tuple[int, ...], sink: FeatureSink | None) -> None:
         """Hand every step's draft-head features to `sink` (None: stop): the scheduled
@@ -166,8 +170,7 @@ class ModelRunner:
         self.kv_cache.copy_slots(so.kv_copies, self.target_layers)
         if not so.scheduled:
             return ModelRunnerOutput(so.step_id, [], [])
-        block_tables = {s.req_id: self.requests[s.req_id].block_ids for s in so.scheduled}
-        inputs = prepare_inputs(so.scheduled, block_tables, self.kv_cache.block_size, self.device)
+        inputs = self.input_batch.prepare(so.scheduled)
         inputs.meta.kv_cache = self.kv_cache
         step_states = None
         if self.state_cache is not None:
@@ -279,7 +282,7 @@ class ModelRunner:
             positions=positions,
             slot_mapping=meta.slot_mapping,
             block_tables=meta.block_tables,
-            num_blocks=[len(st.block_ids) for st in states],
+            num_blocks=[self.input_batch.blocks_of(s.req_id) for s in scheduled],
             target_hidden=features,
             num_drafts=so.num_drafts,
             req_ids=[s.req_id for s in scheduled],

@@ -1,10 +1,11 @@
 """`CachedRequestState`: what a worker keeps of each running request between steps
-(prompt and output ids for penalties and n-gram lookup, its generators, its block table,
-the distributions its pending drafts came from), updated by every scheduler output."""
+(prompt and output ids for penalties and n-gram lookup, its generators, the
+distributions its pending drafts came from; its block table is in `InputBatch`),
+updated by every scheduler output."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -21,7 +22,6 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None  # the verifier's and sampler's draws
     draft_generator: torch.Generator | None  # sampled drafts' draws (an independent stream)
-    block_ids: list[int] = field(default_factory=list)
     # The distributions the pending drafts were drawn from ([k, vocab]; for a tree, the root's
     # row then one per node: [n + 1, vocab]); None: argmax drafts.
     draft_probs: torch.Tensor | None = None
