@@ -86,7 +86,7 @@ def main() -> None:
         (runner, "_verify", "sampling + verification"),
         (runner, "_propose", "drafting"),
         (output_processor.OutputProcessor, "process", "output processing + detok"),
-        (llm_engine.LLMEngine, "step", "whole step"),
+        (llm_engine.LLMEngine, "advance", "whole step"),
     ]
     for owner, name, label in parts:
         timers.wrap(owner, name, label)
@@ -101,15 +101,15 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
         timers.seconds.clear()
         steps = {"n": 0}
-        step = llm.engine.step
+        step = llm.engine.advance
 
         def counted_step(step=step, steps=steps) -> Any:
             steps["n"] += 1
             return step()
 
-        llm.engine.step = counted_step
+        llm.engine.advance = counted_step
         llm.generate(prompts, params, use_tqdm=False)
-        llm.engine.step = step
+        llm.engine.advance = step
         columns.append({k: 1000 * v / steps["n"] for k, v in timers.seconds.items()})
     labels = [label for _, _, label in parts if label != "whole step"]
     for label in dict.fromkeys([*labels, "other", "whole step"]):

@@ -145,9 +145,9 @@ class LLM:
         wanted = set(request_ids)
         with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm) as bar:
             while len(finished) < len(request_ids) and self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished and output.request_id in wanted:
-                        finished[output.request_id] = output
+                for request in self.engine.advance():
+                    if request.finished and request.request_id in wanted:
+                        finished[request.request_id] = request.output()
                         bar.update(1)
         return finished
 

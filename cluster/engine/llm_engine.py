@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 from cluster.engine.core import EngineCore
-from cluster.engine.frontend import FrontEnd, Prompt
+from cluster.engine.frontend import FrontEnd, Prompt, UserRequest
 from cluster.engine.request import Request
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
@@ -77,10 +77,15 @@ class LLMEngine(InProcessEngine):
     def step(self) -> list[RequestOutput]:
         """One engine step; the outputs of the requests it advanced or finished (also
         delivered to their streams, if any)."""
+        return [request.output() for request in self.advance()]
+
+    def advance(self) -> list[UserRequest]:
+        """One engine step; the requests it advanced or finished (`.output()` builds
+        one's output, so a caller waiting for the finished ones builds only those)."""
         updated, stopped = self.frontend.process(self.core.step())
         for request_id, stop in stopped:
             self.core.finish_by_stop_string(request_id, stop)
-        return [request.output() for request in updated]
+        return updated
 
     def shutdown(self) -> None:
         self.core.shutdown()
