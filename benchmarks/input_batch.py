@@ -1,10 +1,14 @@
-"""A step's model inputs: the persistent `InputBatch` against rebuilding them every step.
+"""What a worker keeps between steps, against rebuilding it every step: the model inputs
+(`InputBatch`) and the penalties' statistics (`PenaltyTables`).
 
 The baseline is the per-token rebuild the worker ran before the input batch persisted
 (each request's block table copied into a fresh tensor, every slot computed in Python);
 both sides return the same tensors (checked here, and by `tests/test_input_batch.py`).
 Shapes: decode steps (1 token per request, or 1 + k with k drafts) and a prefill chunk.
-Sides run interleaved (A, B, B, A, ...); medians in microseconds per step.
+The second table builds a step's `SamplingMetadata` for requests with a presence penalty
+(300 prompt and 200 output tokens each, vocabulary 49,152), recounting every history as
+before or reading the kept tables. Sides run interleaved (A, B, B, A, ...); medians in
+microseconds per step.
 
     python benchmarks/input_batch.py [--repeats 200]
 """
@@ -15,12 +19,16 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 from functools import partial
 
 import torch
 
 from cluster.engine.messages import ScheduledRequest
+from cluster.sample.metadata import SamplingMetadata
+from cluster.sampling_params import SamplingParams
 from cluster.worker.input_batch import InputBatch
+from cluster.worker.penalty_tables import PenaltyTables
 
 BLOCK_SIZE = 16
 
@@ -67,6 +75,44 @@ def workload(num_requests: int, context: int, new_tokens: int) -> tuple:
     return batch, tables, scheduled
 
 
+def interleaved(sides: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median microseconds of each side, run A, B, B, A, ..."""
+    names = list(sides)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        for name in names if i % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            sides[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+
+
+def penalty_rows(batch: int, repeats: int) -> str:
+    vocab = 49152
+    rng = random.Random(0)
+    params = [SamplingParams(temperature=0.8, presence_penalty=0.5)] * batch
+    prompts = [[rng.randrange(vocab) for _ in range(300)] for _ in range(batch)]
+    outputs = [[rng.randrange(vocab) for _ in range(200)] for _ in range(batch)]
+    tables = PenaltyTables(vocab, torch.device("cpu"))
+    ids = [f"r{i}" for i in range(batch)]
+    for req_id, p, prompt, output in zip(ids, params, prompts, outputs, strict=True):
+        tables.add(req_id, p, prompt, output)
+    kept = (tables.prompt_mask, tables.output_counts, tables.rows(ids))
+    sides = {
+        "recounted": partial(
+            SamplingMetadata.from_params,
+            params,
+            vocab,
+            prompt_token_ids=prompts,
+            output_token_ids=outputs,
+        ),
+        "kept": partial(SamplingMetadata.from_params, params, vocab, penalty_tables=kept),
+    }
+    t = interleaved(sides, repeats)
+    ratio = t["recounted"] / t["kept"]
+    return f"| {batch} | {t['recounted']:.0f} | {t['kept']:.0f} | {ratio:.1f}x |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
@@ -91,20 +137,19 @@ def main() -> None:
             inputs.logits_indices,
         ]
         assert all(torch.equal(a, b) for a, b in zip(same, base, strict=True)), label
-        times: dict[str, list[float]] = {"rebuilt": [], "persistent": []}
-        sides = {
-            "rebuilt": partial(rebuilt, scheduled, tables),
-            "persistent": partial(batch.prepare, scheduled),
-        }
-        for i in range(args.repeats):
-            order = ("rebuilt", "persistent") if i % 2 == 0 else ("persistent", "rebuilt")
-            for side in order:
-                start = time.perf_counter()
-                sides[side]()
-                times[side].append(time.perf_counter() - start)
-        old = statistics.median(times["rebuilt"]) * 1e6
-        new = statistics.median(times["persistent"]) * 1e6
+        t = interleaved(
+            {
+                "rebuilt": partial(rebuilt, scheduled, tables),
+                "persistent": partial(batch.prepare, scheduled),
+            },
+            args.repeats,
+        )
+        old, new = t["rebuilt"], t["persistent"]
         print(f"| {label} | {old:.0f} | {new:.0f} | {old / new:.2f}x |")
+    print("\n| requests with a penalty | recounted every step (us) | kept tables (us) | speed-up |")
+    print("|---:|---:|---:|---:|")
+    for batch_size in (1, 64):
+        print(penalty_rows(batch_size, max(10, args.repeats // 10)))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 as tensors, plus what the penalties need) and `LogitsRows` / `SpecDecodeMetadata` (which
 request each logits row belongs to, and the speculative layout of the rows).
 
-Metadata is built once per step from every request's params, its prompt and output token
-ids and its generator. Greedy requests get neutral filter values (temperature 1, no
+Metadata is built once per step from every request's params, its generator and, for
+penalties, either its prompt and output token ids or the statistics a worker keeps
+between steps (`worker/penalty_tables.py`). Greedy requests get neutral filter values (temperature 1, no
 top-k / top-p / min-p), so no sentinel temperature is ever divided by; `is_greedy` alone
 marks them.
 
@@ -36,8 +37,10 @@ class Penalties:
     presence: torch.Tensor  # [batch] float32, 0 = off
     frequency: torch.Tensor  # [batch] float32, 0 = off
     active: torch.Tensor  # [batch] bool: the request uses at least one penalty
-    prompt_mask: torch.Tensor  # [batch, vocab] bool: the token occurs in the prompt
-    output_counts: torch.Tensor  # [batch, vocab] int32: occurrences in the output so far
+    # Per table row (a worker keeps these between steps: `worker/penalty_tables.py`):
+    prompt_mask: torch.Tensor  # [table_rows, vocab] bool: the token occurs in the prompt
+    output_counts: torch.Tensor  # [table_rows, vocab] int32: occurrences in the output so far
+    table_rows: torch.Tensor  # [batch] int64: each request's row of the two tables
 
 
 @dataclass(frozen=True)
@@ -89,9 +92,12 @@ class SamplingMetadata:
         output_token_ids: Sequence[Sequence[int]] | None = None,
         generators: Mapping[int, torch.Generator] | None = None,
         eos_token_ids: Sequence[int | None] | None = None,
+        penalty_tables: tuple[torch.Tensor, torch.Tensor, Sequence[int]] | None = None,
     ) -> SamplingMetadata:
         """Vectorise `params`; token ids are needed only for requests that use penalties
-        or `min_tokens` (which also needs each request's `eos_token_ids`).
+        or `min_tokens` (which also needs each request's `eos_token_ids`). Penalties read
+        `penalty_tables` instead of the token ids when given: (prompt mask, output
+        counts, each request's row of them), as a worker keeps them between steps.
 
         `generators` must hold one generator per seeded random request (the model runner
         keeps them across steps, so a seeded request continues its own stream).
@@ -126,7 +132,9 @@ class SamplingMetadata:
             top_k=filter_column(top_k, vocab_size, torch.int64),
             top_p=filter_column([p.top_p for p in params], 1.0, torch.float32),
             min_p=filter_column([p.min_p for p in params], 0.0, torch.float32),
-            penalties=_penalties(params, vocab_size, device, prompt_token_ids, output_token_ids),
+            penalties=_penalties(
+                params, vocab_size, device, prompt_token_ids, output_token_ids, penalty_tables
+            ),
             logit_bias=_logit_bias(params, vocab_size, device),
             min_tokens=_min_tokens(params, vocab_size, device, output_token_ids, eos_token_ids),
             num_logprobs=tuple(p.logprobs for p in params),
@@ -175,7 +183,7 @@ def _min_tokens(
     return MinTokens(mask, torch.tensor(remaining, dtype=torch.int64, device=device))
 
 
-def _uses_penalties(p: SamplingParams) -> bool:
+def uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
@@ -185,18 +193,28 @@ def _penalties(
     device: torch.device,
     prompt_token_ids: Sequence[Sequence[int]] | None,
     output_token_ids: Sequence[Sequence[int]] | None,
+    tables: tuple[torch.Tensor, torch.Tensor, Sequence[int]] | None,
 ) -> Penalties | None:
-    active = [_uses_penalties(p) for p in params]
+    active = [uses_penalties(p) for p in params]
     if not any(active):
         return None
-    for name, ids in (
-        ("prompt_token_ids", prompt_token_ids),
-        ("output_token_ids", output_token_ids),
-    ):
-        if ids is None or len(ids) != len(params):
-            raise ValueError(f"{name}: one list per request is needed when penalties are used")
-    prompt_counts = _token_table(prompt_token_ids, active, vocab_size, device, "prompt_token_ids")
-    output_counts = _token_table(output_token_ids, active, vocab_size, device, "output_token_ids")
+    if tables is not None:
+        prompt_mask, output_counts, rows = tables
+        table_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+    else:
+        for name, ids in (
+            ("prompt_token_ids", prompt_token_ids),
+            ("output_token_ids", output_token_ids),
+        ):
+            if ids is None or len(ids) != len(params):
+                raise ValueError(f"{name}: one list per request is needed when penalties are used")
+        prompt_mask = (
+            _token_table(prompt_token_ids, active, vocab_size, device, "prompt_token_ids") > 0
+        )
+        output_counts = _token_table(
+            output_token_ids, active, vocab_size, device, "output_token_ids"
+        )
+        table_rows = torch.arange(len(params), device=device)
 
     def column(values: Sequence[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=device)
@@ -209,8 +227,9 @@ def _penalties(
         presence=column([p.presence_penalty for p in params]),
         frequency=column([p.frequency_penalty for p in params]),
         active=torch.tensor(active, dtype=torch.bool, device=device),
-        prompt_mask=prompt_counts > 0,
+        prompt_mask=prompt_mask,
         output_counts=output_counts,
+        table_rows=table_rows,
     )
 
 

@@ -68,7 +68,8 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties, rows: LogitsRows
     if active_rows.numel() == 0:
         return
     request = rows.request_index[active_rows]  # [active]
-    counts = penalties.output_counts.index_select(0, request)  # [active, vocab] int32
+    table_rows = penalties.table_rows[request]  # [active]
+    counts = penalties.output_counts.index_select(0, table_rows)  # [active, vocab] int32
     # History pairs belong to rows; re-index them into the active subset.
     slot = torch.full((rows.num_rows,), -1, dtype=torch.int64, device=logits.device)
     slot[active_rows] = torch.arange(active_rows.numel(), device=logits.device)
@@ -78,7 +79,7 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties, rows: LogitsRows
     counts.index_put_((pair_slot[keep], rows.history_tokens[keep]), ones, accumulate=True)
 
     sub = logits.index_select(0, active_rows)  # [active, vocab]
-    seen = penalties.prompt_mask.index_select(0, request) | (counts > 0)
+    seen = penalties.prompt_mask.index_select(0, table_rows) | (counts > 0)
     repetition = penalties.repetition[request][:, None]
     sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
     sub -= penalties.frequency[request][:, None] * counts

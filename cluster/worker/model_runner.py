@@ -133,11 +133,15 @@ class ModelRunner:
         for req_id in so.freed_req_ids:
             self.requests.pop(req_id, None)
             self.input_batch.remove(req_id)
+            self.verifier.penalties.remove(req_id)
             if self.state_cache is not None:
                 self.state_cache.remove(req_id)
         for new in so.new_requests:
             self.requests[new.req_id] = CachedRequestState.of(new, self.device)
             self.input_batch.add(new.req_id)
+            self.verifier.penalties.add(
+                new.req_id, new.sampling_params, new.prompt_token_ids, new.output_token_ids
+            )
             if self.state_cache is not None:
                 self.state_cache.add(new.req_id)
         for item in so.scheduled:

@@ -24,6 +24,7 @@ from cluster.sample import (
     compute_logprobs,
 )
 from cluster.sample.grammar_mask import apply_token_bitmask, bitmask_rows
+from cluster.worker.penalty_tables import PenaltyTables
 from cluster.worker.request_state import CachedRequestState
 
 # Prompt rows whose logits exist at once for prompt logprobs ([rows, vocab] float32).
@@ -43,6 +44,7 @@ class Verifier:
         self.device = device
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler, backend=backend)
+        self.penalties = PenaltyTables(vocab_size, device)  # rows added by the runner
 
     def prompt_logprobs(
         self,
@@ -90,9 +92,11 @@ class Verifier:
         of guided requests masked by their grammars first)."""
         self._apply_grammars(logits, sampled)
         if any(s.num_spec_tokens for s in sampled):
-            return self._verify_drafts(logits, sampled, states)
-        tokens, logprobs = self._sample(logits, states)
-        return Verified(tokens, logprobs, {})
+            verified = self._verify_drafts(logits, sampled, states)
+        else:
+            verified = Verified(*self._sample(logits, states), {})
+        self.penalties.append([item.req_id for item in sampled], verified.tokens)
+        return verified
 
     def _apply_grammars(self, logits: torch.Tensor, sampled: list[ScheduledRequest]) -> None:
         guided, first = [], 0
@@ -150,10 +154,14 @@ class Verifier:
             [st.sampling_params for st in states],
             self.vocab_size,
             self.device,
-            prompt_token_ids=[st.prompt_token_ids for st in states],
             output_token_ids=[st.output_token_ids for st in states],
             generators={i: st.generator for i, st in enumerate(states) if st.generator is not None},
             eos_token_ids=[st.eos_token_id for st in states],
+            penalty_tables=(
+                self.penalties.prompt_mask,
+                self.penalties.output_counts,
+                self.penalties.rows([st.req_id for st in states]),
+            ),
         )
 
     def _draft_probs(
