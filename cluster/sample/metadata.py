@@ -4,9 +4,9 @@ request each logits row belongs to, and the speculative layout of the rows).
 
 Metadata is built once per step from every request's params, its generator and, for
 penalties, either its prompt and output token ids or the statistics a worker keeps
-between steps (`worker/penalty_tables.py`). Greedy requests get neutral filter values (temperature 1, no
-top-k / top-p / min-p), so no sentinel temperature is ever divided by; `is_greedy` alone
-marks them.
+between steps (`worker/penalty_tables.py`). Greedy requests get neutral filter values
+(temperature 1, no top-k / top-p / min-p), so no sentinel temperature is ever divided
+by; `is_greedy` alone marks them.
 
 Plain decoding samples one row per request. With speculation a request with `n` drafts
 has `n + 1` logits rows: row `j < n` verifies draft `j` and is processed as if drafts

@@ -11,10 +11,11 @@ request, a full engine queue or a dead engine is a 400/429/503, not a 200 with a
 body.
 When the client goes away the stream is cancelled, which aborts the request in the
 engine and frees its KV blocks. A list of prompts is one request per prompt (awaited
-together, their streams merged chunk by chunk); prompt i's `n` choices (fanned out by the
-engine's front end) are the response's choices i * n to i * n + n - 1. A Bearer API key, when configured, guards every path
-but `/health` and `/metrics` (the OpenAPI schema and docs pages included), and is checked before the
-body is read, so an unauthenticated caller learns nothing about the schema.
+together, their streams merged chunk by chunk); prompt i's `n` choices (fanned out by
+the engine's front end) are the response's choices i * n to i * n + n - 1. A Bearer
+API key, when configured, guards every path but `/health` and `/metrics` (the OpenAPI
+schema and docs pages included), and is checked before the body is read, so an
+unauthenticated caller learns nothing about the schema.
 """
 
 import asyncio

@@ -1,10 +1,11 @@
 """`ModelRunner`: one step on one worker: inputs, target forward, sampling, verification,
 and the next step's drafts.
 
-The runner keeps a small per-request state (prompt and output ids for penalties and
+The runner keeps a small per-request state (prompt and output ids for `min_tokens` and
 n-gram lookup, the request's generator, the distributions its pending drafts were
-sampled from) and the block tables of the running requests (`InputBatch`, persistent:
-a step writes only the blocks it appends); the scheduler output updates both every step. Every TP rank
+sampled from), the running requests' block tables (`InputBatch`: a step writes only the
+blocks it appends) and, in its verifier, the penalised requests' token statistics
+(`PenaltyTables`); the scheduler output updates them every step. Every TP rank
 samples the same tokens (same logits, same generators) and proposes the same drafts, so
 all ranks agree; only one of them reports. With pipeline stages, a stage that is not the
 last runs its layers and hands the activations on; sampling and drafting happen on the
