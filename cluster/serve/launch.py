@@ -20,8 +20,10 @@ import contextlib
 import importlib.util
 import logging
 import os
+import random
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -66,6 +68,27 @@ def haproxy_ingress_available() -> bool:
     )
 
 
+# Ports that neither the OS hands out by itself (its ephemeral range, 32768-60999 on
+# Linux, for bind(0) and outgoing connections) nor Ray gives its workers (10002-19999 by
+# default): one picked here stays free until HAProxy binds it, while Ray starts dozens
+# of processes that take ports (an ephemeral pick was once taken in between).
+QUIET_PORTS = range(20000, 32768)
+
+
+def quiet_free_port() -> int:
+    """A port free now, from `QUIET_PORTS` (an ephemeral one if none of 100 tries is)."""
+    pick = random.SystemRandom()
+    for _ in range(100):
+        port = pick.choice(QUIET_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
+
+
 def local_ray_env() -> dict[str, str]:
     """The environment variables a Ray started here is given (none the user set): HAProxy
     on where this Ray has it, unless the user turned it off (`RAY_SERVE_ENABLE_HA_PROXY=0`)."""
@@ -80,6 +103,10 @@ def local_ray_env() -> dict[str, str]:
             )
         logger.info("this Ray has no HAProxy ingress: HTTP goes through Serve's proxy")
         return {}
+    ports: list[int] = []
+    while len(ports) < len(HAPROXY_PORT_VARS):  # distinct
+        if (port := quiet_free_port()) not in ports:
+            ports.append(port)
     # short: Serve adds a 56-character node id to the folder, and HAProxy takes socket
     # paths of at most 97 characters
     folder = tempfile.mkdtemp(prefix="haproxy-")
@@ -88,7 +115,7 @@ def local_ray_env() -> dict[str, str]:
         HAPROXY_SWITCH: "1",
         **HAPROXY_DRAINING_S,
         **HAPROXY_FORWARD_BODY,
-        **{var: str(free_port()) for var in HAPROXY_PORT_VARS},
+        **{var: str(port) for var, port in zip(HAPROXY_PORT_VARS, ports, strict=True)},
         **{
             var: os.path.join(folder, name) if name else folder
             for var, name in HAPROXY_FILE_VARS.items()
