@@ -302,14 +302,16 @@ class LLMServer:
         return {"id": self.model_id, "max_model_len": self.max_model_len}
 
     async def stats(self) -> dict[str, Any]:
-        """The engine's state and this replica's counters (for tests and operators)."""
-        describe = await self.engine.describe()
+        """The engine's state and this replica's counters (for tests and operators); during
+        an engine restart, the new engine's once it is ready."""
+        engine = await self.supervisor.ready()
+        describe = await engine.describe()
         return {
-            "engine_id": self.engine.engine_id,
+            "engine_id": engine.engine_id,
             "engine_restarts": self.supervisor.num_restarts,
             "http_ingress": http_ingress(),
-            "num_unfinished_requests": self.engine.num_unfinished_requests,
-            "engine": asdict(self.engine.stats),
+            "num_unfinished_requests": engine.num_unfinished_requests,
+            "engine": asdict(engine.stats),
             **describe,
             "metrics": self.metrics.snapshot(),
         }
