@@ -45,6 +45,8 @@ class PenaltyTables:
     def append(self, req_ids: list[str], token_ids: list[list[int]]) -> None:
         """Count each request's new output tokens, in one scatter (requests without a
         row are skipped)."""
+        if not self.row_of:  # nobody uses a penalty: nothing to count
+            return
         rows, tokens = [], []
         for req_id, new in zip(req_ids, token_ids, strict=True):
             row = self.row_of.get(req_id)
