@@ -101,10 +101,9 @@ def random_batch(seed: int, batch: int, vocab: int):
 
 
 def request_rows(spec: SpecDecodeMetadata, i: int) -> list[int]:
-    """Logits rows of request i: one per draft position, then its bonus position."""
-    start = sum(spec.num_draft_tokens[:i])
-    drafts = spec.target_logits_indices[start : start + spec.num_draft_tokens[i]].tolist()
-    return [*drafts, int(spec.bonus_logits_indices[i])]
+    """Logits rows of request i (a chain): one per draft position, then its bonus position."""
+    start = sum(n + 1 for n in spec.num_draft_tokens[:i])
+    return list(range(start, start + spec.num_draft_tokens[i] + 1))
 
 
 def plain_processed(logits_row, params, history, prompt) -> tuple[SamplingMetadata, torch.Tensor]:

@@ -20,11 +20,12 @@ if not torch.cuda.is_available():  # the Triton kernel then runs under the inter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from rejection_oracle import rejection_sample_loop
 from scipy.stats import chisquare
 
 from cluster.draft_tree import DraftTree
 from cluster.kernels import rejection
-from cluster.kernels.rejection import rejection_sample_loop, rejection_sample_ref
+from cluster.kernels.rejection import rejection_sample_ref
 from cluster.kernels.rejection_inputs import RejectionInputs
 from cluster.kernels.rejection_triton import rejection_sample_triton
 

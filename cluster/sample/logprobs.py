@@ -12,7 +12,7 @@ class Logprobs:
     """Per sampled position: the sampled token's logprob and rank, then the top-n tokens.
 
     Leading dimensions follow the token ids they describe (`[rows]` for `Sampler`,
-    `[batch, max_spec_len + 1]` for `RejectionSampler`). Column 0 is the sampled token;
+    `[batch, max_depth + 1]` for `RejectionSampler`). Column 0 is the sampled token;
     columns 1..n are the request's n most likely tokens, most likely first. Entries a request
     did not ask for, and positions without a token, hold token -1, logprob -inf, rank -1.
     """

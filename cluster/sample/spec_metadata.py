@@ -22,16 +22,10 @@ class SpecDecodeMetadata:
 
     draft_token_ids: torch.Tensor  # [num_tokens] int64, flattened in request order
     num_draft_tokens: tuple[int, ...]  # per request, 0 allowed
-    target_logits_indices: torch.Tensor  # [num_tokens] the logits row verifying each draft
-    bonus_logits_indices: torch.Tensor  # [batch] each request's last row (a chain's bonus)
     draft_parents: tuple[tuple[int, ...], ...] = ()  # [batch][n_i]; () for chains
     # [num_tokens + batch] the logits rows of every request's root, then of its nodes;
     # None: the logits hold exactly those rows, in that order (the layout `from_trees` names)
     tree_logits_indices: torch.Tensor | None = None
-
-    @property
-    def max_spec_len(self) -> int:
-        return max(self.num_draft_tokens, default=0)
 
     @property
     def parents(self) -> tuple[tuple[int, ...], ...]:
@@ -66,21 +60,10 @@ class SpecDecodeMetadata:
             chain if parents is None or parents[i] is None else tuple(parents[i])
             for i, chain in enumerate(chains)
         )
-        target, bonus, start = [], [], 0
-        for n, tree in zip(num_draft, given, strict=True):
-            target.extend(start + parent + 1 for parent in tree)
-            bonus.append(start + n)
-            start += n + 1
-
-        def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
         flat = [t for drafts in draft_token_ids for t in drafts]
         return cls(
             draft_token_ids=torch.tensor(flat, dtype=torch.int64, device=device),
             num_draft_tokens=num_draft,
-            target_logits_indices=ints(target),
-            bonus_logits_indices=ints(bonus),
             draft_parents=() if given == chains else given,
         )
 
