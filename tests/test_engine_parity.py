@@ -8,6 +8,7 @@ proven near-tie (tests/greedy_reference.py).
 
 import pytest
 import torch
+from block_checks import assert_no_block_leaks
 from greedy_reference import assert_greedy_equal, hf_greedy
 from transformers import AutoModelForCausalLM
 
@@ -75,7 +76,7 @@ def test_all_prompts_batched(llm, hf_model, prompts, references):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     _check(hf_model, prompts, outputs, references)
     core = llm.engine.core
-    core.block_manager.check_no_leaks()
+    assert_no_block_leaks(core.block_manager)
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
 
 
@@ -92,5 +93,5 @@ def test_small_blocks_chunked_prefill_and_preemption(smollm2_path, hf_model, pro
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         core = llm.engine.core
         assert core.scheduler.num_preemptions > 0
-        core.block_manager.check_no_leaks()
+        assert_no_block_leaks(core.block_manager)
     _check(hf_model, prompts, outputs, references)

@@ -4,6 +4,7 @@ giving the greedy output of PP=1."""
 
 import pytest
 import torch
+from block_checks import assert_no_block_leaks
 from forward_helpers import prefill
 from random_heads import write_all, write_deepseek_mtp, write_eagle
 from tiny_models import VARIANTS, hf_logits, make_tiny_chat_model, make_tiny_llama
@@ -118,7 +119,7 @@ def _generate(path, spec=None, **engine):
     speculative = None if spec is None else {**spec, "num_speculative_tokens": 3}
     with LLM(path, speculative_config=speculative, **ENGINE, **engine) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-        llm.engine.core.block_manager.check_no_leaks()
+        assert_no_block_leaks(llm.engine.core.block_manager)
         timings = llm.engine.core.executor.stage_timings()
         return [o.outputs[0].token_ids for o in outs], llm.get_metrics(), timings
 

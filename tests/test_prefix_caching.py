@@ -8,6 +8,7 @@ greedy tokens, and the same drafts accepted, as with caching off.
 """
 
 import pytest
+from block_checks import assert_no_block_leaks
 from random_heads import write_all
 from tiny_models import make_tiny_chat_model
 
@@ -35,12 +36,12 @@ def test_full_blocks_followed_by_a_known_token_are_shared():
     assert bm.cached_prefix(list(range(8))) == shared[:1]
     bm.allocate_prefix("b", shared)
     assert bm.allocate("b", 12) == [bm.block_tables["b"][2]]
-    bm.check_no_leaks()
+    assert_no_block_leaks(bm)
     bm.free("a")
     bm.free("b")
     assert bm.num_free_blocks == 16
     assert bm.cached_prefix(list(range(10))) == shared  # still cached while free
-    bm.check_no_leaks()
+    assert_no_block_leaks(bm)
 
 
 def test_blocks_are_final_only_once_computed():
@@ -63,7 +64,7 @@ def test_uncached_free_blocks_are_reused_first_then_the_oldest_cached():
     taken = bm.allocate("y", 10)
     assert taken[:2] == [3, 4] and taken[2:] == [5, 2, 1]
     assert bm.cached_prefix(list(range(7))) == [0]  # a's first block survived
-    bm.check_no_leaks()
+    assert_no_block_leaks(bm)
 
 
 def test_disabled_caching_never_shares():
@@ -105,7 +106,7 @@ def _run(path, spec=None, cache=True, **overrides):
             drafts.clear()
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         blocks = llm.engine.core.block_manager
-        blocks.check_no_leaks()
+        assert_no_block_leaks(blocks)
         ids = [o.request_id for o in outs]
         return (
             [o.outputs[0] for o in outs],

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from block_checks import assert_no_block_leaks
 from pydantic import ValidationError
 from random_heads import write_all
 from tiny_models import make_tiny_chat_model
@@ -35,7 +36,7 @@ def _generate(path, prompts=PROMPTS, params=None, spec=None, **engine):
     spec = {**spec, "num_speculative_tokens": 3} if spec else None
     with LLM(path, speculative_config=spec, **{**ENGINE, **engine}) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        llm.engine.core.block_manager.check_no_leaks()
+        assert_no_block_leaks(llm.engine.core.block_manager)
         return outs, llm.engine.core.scheduler.num_preemptions
 
 

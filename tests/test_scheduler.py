@@ -1,6 +1,7 @@
 """The token-budget scheduler and the KV block manager, driven without a model."""
 
 import pytest
+from block_checks import assert_no_block_leaks
 
 from cluster.config import SchedulerConfig
 from cluster.engine.block_manager import KVBlockManager
@@ -42,7 +43,7 @@ def test_block_manager_allocates_all_or_nothing_and_frees():
     assert bm.allocate("b", 8) == [3, 4]
     bm.free("a")
     assert bm.num_free_blocks == 3
-    bm.check_no_leaks()
+    assert_no_block_leaks(bm)
 
 
 def test_chunked_prefill_within_budget_then_decode():
@@ -87,7 +88,7 @@ def test_preemption_frees_blocks_and_resumes_by_recompute(cache):
                 (item,) = [i for i in so.scheduled if i.req_id == "b"]
                 resumed_with = (new.output_token_ids, item.num_computed_tokens, item.token_ids)
         s.update_from_output(so, respond(so))
-        s.blocks.check_no_leaks()
+        assert_no_block_leaks(s.blocks)
         if not s.has_unfinished_requests():
             break
     assert b.num_preemptions >= 1
@@ -116,7 +117,7 @@ def test_stop_conditions_token_by_token():
     assert out.finish_reason == "length"
     assert not s.has_unfinished_requests()
     assert so.freed_req_ids == ["eos", "stop_id"]
-    s.blocks.check_no_leaks()
+    assert_no_block_leaks(s.blocks)
     assert s.blocks.num_free_blocks == s.blocks.num_blocks
 
 

@@ -4,6 +4,7 @@ goodput per batch-size bucket, re-checks the others, and the engine stays lossle
 import itertools
 
 import pytest
+from block_checks import assert_no_block_leaks
 
 from cluster.engine.spec_controller import SpecController
 
@@ -101,7 +102,7 @@ def test_adaptive_engine_is_lossless(tmp_path, smollm2_path, method):
     with LLM(target, speculative_config=adaptive, **engine) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         summary = llm.get_metrics()["adaptive_speculation"]
-        llm.engine.core.block_manager.check_no_leaks()
+        assert_no_block_leaks(llm.engine.core.block_manager)
     assert [o.outputs[0].token_ids for o in outs] == reference
     bucket = summary["3-4"]  # the decode batch: 3 requests
     assert bucket["windows"] >= 4  # k changed window to window ...

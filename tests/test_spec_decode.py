@@ -7,6 +7,7 @@ draft LM, at k = 1, 3, 5, in a batch that mixes chunked prefill, decode and veri
 """
 
 import pytest
+from block_checks import assert_no_block_leaks
 from greedy_reference import assert_greedy_equal, hf_greedy
 from random_heads import write_all
 from tiny_models import make_tiny_chat_model
@@ -48,7 +49,7 @@ def baseline(target):
 def _run(path, spec, k, prompts=PROMPTS, params=GREEDY):
     with LLM(path, speculative_config={**spec, "num_speculative_tokens": k}, **ENGINE) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        llm.engine.core.block_manager.check_no_leaks()
+        assert_no_block_leaks(llm.engine.core.block_manager)
         return [o.outputs[0] for o in outs], llm.get_metrics()
 
 
@@ -200,7 +201,7 @@ def test_drafts_respect_max_tokens_and_stop_inside_an_accepted_run(target, basel
             continuations, k, hf.config.vocab_size, False
         )
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
-        llm.engine.core.block_manager.check_no_leaks()
+        assert_no_block_leaks(llm.engine.core.block_manager)
     assert outs[0].outputs[0].token_ids == baseline[0][:7]
     assert outs[1].outputs[0].token_ids == baseline[1][: first + 1]
     assert outs[1].outputs[0].finish_reason == "stop"

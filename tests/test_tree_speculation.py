@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from block_checks import assert_no_block_leaks
 from forward_helpers import draft_prefill
 from random_heads import write_all
 from steered_proposer import SteeredTreeProposer
@@ -57,7 +58,7 @@ def _run(path, spec, engine=None, steer=None):
             runner = llm.engine.core.executor.worker.runner
             runner.proposer = steer(runner.proposer)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-        llm.engine.core.block_manager.check_no_leaks()
+        assert_no_block_leaks(llm.engine.core.block_manager)
         return [o.outputs[0] for o in outs], llm.get_metrics()
 
 

@@ -174,7 +174,7 @@ class SchedulerActor:
             self._error = f"{type(error).__name__}: {error}"
             self._cv.notify_all()
 
-    def _publish(self, outputs: list[EngineCoreOutput], step_s: float | None) -> None:
+    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
         """Hand outputs, and the engine's stats after them, to the output socket."""
         with self._cv:
             for out in outputs:

@@ -323,27 +323,9 @@ def engine_config_from_args(
         raise ValueError(
             f"unknown engine arguments: {unknown} (allowed: {sorted(FLAT_ENGINE_ARGS)})"
         )
-    sections: dict[str, dict[str, Any]] = {
-        "model": {"path": model},
-        "parallel": {},
-        "cache": {},
-        "scheduler": {},
-        "compile": {},
-    }
+    sections: dict[str, dict[str, Any]] = {"model": {"path": model}}
     for name, value in kwargs.items():
         if value is not None:
             section, field_name = FLAT_ENGINE_ARGS[name]
-            sections[section][field_name] = value
-    return EngineConfig(
-        model=ModelConfig(**sections["model"]),
-        parallel=ParallelConfig(**sections["parallel"]),
-        cache=CacheConfig(**sections["cache"]),
-        scheduler=SchedulerConfig(**sections["scheduler"]),
-        compile=CompileConfig(**sections["compile"]),
-        speculative=(
-            SpeculativeConfig(**speculative_config)
-            if isinstance(speculative_config, dict)
-            else speculative_config
-        ),
-        seed=seed,
-    )
+            sections.setdefault(section, {})[field_name] = value
+    return EngineConfig(**sections, speculative=speculative_config, seed=seed)

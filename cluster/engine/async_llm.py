@@ -75,7 +75,7 @@ class AsyncLLM(InProcessEngine):
         self.loop.abort(sequence_ids)
 
     # ---- the loop's side ---------------------------------------------------------------
-    def _publish(self, outputs: list[EngineCoreOutput], step_s: float | None) -> None:
+    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
         with self._lock:
             _, stopped = self.frontend.process(outputs)  # outputs reach the streams
         for request_id, stop in stopped:

@@ -165,21 +165,6 @@ class KVBlockManager:
                 if block not in self._hash_of:  # nothing to keep: reuse it first
                     self._free.move_to_end(block, last=False)
 
-    def check_no_leaks(self) -> None:
-        """Every block is free or held, and its count equals the tables holding it."""
-        counts = [0] * self.num_blocks
-        for table in self.block_tables.values():
-            for block in table:
-                counts[block] += 1
-        free = set(self._free)
-        bad = [
-            b
-            for b in range(self.num_blocks)
-            if counts[b] != self._ref_counts[b] or (counts[b] == 0) != (b in free)
-        ]
-        if bad or len(free) != len(self._free):
-            raise AssertionError(f"KV blocks leaked or miscounted: {bad[:10]}")
-
 
 def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[BlockHash]:
     """The keys of the blocks a prefix hit on `token_ids` could use, in order: whole

@@ -64,9 +64,6 @@ class Executor:
         self.channel.call("initialize_kv_cache", num_blocks)()
         self.channel.ready()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.submit_model(scheduler_output)()
-
     def submit_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
         """Start a step and return at once; pending steps finish in submission order (a
         channel whose ranks run elsewhere overlaps them: pipeline micro-batches)."""

@@ -21,8 +21,10 @@ from cluster.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
-# publish(outputs, step_s): one round's outputs and its step's seconds (None: no step ran)
-Publish = Callable[[list[EngineCoreOutput], float | None], None]
+# publish(outputs): one round's outputs (its step's, and those of aborts applied first)
+Publish = Callable[[list[EngineCoreOutput]], None]
+# How long an idle loop sleeps between looks at its core (commands wake it at once).
+_IDLE_WAIT_S = 1.0
 
 
 class EngineLoop:
@@ -32,12 +34,10 @@ class EngineLoop:
         publish: Publish,
         on_error: Callable[[BaseException], None] | None = None,
         name: str = "cluster-engine-loop",
-        idle_wait_s: float = 1.0,
     ) -> None:
         self.core = core
         self._publish = publish
         self._on_error = on_error
-        self._idle_wait_s = idle_wait_s
         self._cv = threading.Condition()
         self._commands: list[tuple[str, Any]] = []
         self._stopped = False
@@ -81,21 +81,20 @@ class EngineLoop:
                 with self._cv:
                     self._cv.wait_for(
                         lambda: self._stopped or self._commands or core.has_unfinished_requests(),
-                        timeout=self._idle_wait_s,
+                        timeout=_IDLE_WAIT_S,
                     )
                     if self._stopped:
                         return
                     commands, self._commands = self._commands, []
                 outputs = self._apply(commands)
-                if core.has_unfinished_requests():
+                stepped = core.has_unfinished_requests()
+                if stepped:
                     self.step_started = started = time.monotonic()
                     outputs += core.step()
-                    step_s = time.monotonic() - started
+                    self.step_s_total += time.monotonic() - started
                     self.step_started = None
-                    self.step_s_total += step_s
-                    self._publish(outputs, step_s)
-                elif outputs:
-                    self._publish(outputs, None)
+                if stepped or outputs:
+                    self._publish(outputs)
         except BaseException as e:  # every waiter must hear about it
             logger.exception("the engine loop died")
             self.error = e

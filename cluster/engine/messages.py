@@ -74,33 +74,18 @@ class SchedulerOutput:
     # continues, on every rank before this step's forward (target layers only)
     kv_copies: list[list[int]] = field(default_factory=list)
 
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
     def encode(self) -> bytes:
         return pack(self)
 
     @staticmethod
     def decode(payload: bytes) -> SchedulerOutput:
-        data = msgpack.unpackb(payload)
-        return SchedulerOutput(
-            step_id=data["step_id"],
-            new_requests=[
-                NewRequestData(
-                    req_id=d["req_id"],
-                    prompt_token_ids=d["prompt_token_ids"],
-                    output_token_ids=d["output_token_ids"],
-                    sampling_params=SamplingParams(**d["sampling_params"]),
-                    eos_token_id=d["eos_token_id"],
-                )
-                for d in data["new_requests"]
-            ],
-            scheduled=[ScheduledRequest(**d) for d in data["scheduled"]],
-            freed_req_ids=data["freed_req_ids"],
-            num_drafts=data["num_drafts"],
-            kv_copies=data["kv_copies"],
-        )
+        data: dict[str, Any] = msgpack.unpackb(payload)
+        data["new_requests"] = [
+            NewRequestData(**{**d, "sampling_params": SamplingParams(**d["sampling_params"])})
+            for d in data["new_requests"]
+        ]
+        data["scheduled"] = [ScheduledRequest(**d) for d in data["scheduled"]]
+        return SchedulerOutput(**data)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from cluster.draft_tree import DraftTree
@@ -31,7 +30,6 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     # Draft tokens proposed for the next step (verified by the target there).
     spec_token_ids: list[int] = field(default_factory=list)
@@ -51,10 +49,6 @@ class Request:
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = []
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -107,7 +107,3 @@ class RejectionInputs:
 class RejectionOutput:
     token_ids: torch.Tensor  # [batch, max_depth + 1] int64, PLACEHOLDER_TOKEN_ID after the last
     accepted_nodes: torch.Tensor  # [batch, max_depth] int64: node accepted at each depth, or -1
-
-    @property
-    def num_accepted(self) -> torch.Tensor:  # [batch]
-        return (self.accepted_nodes >= 0).sum(dim=1)

@@ -8,6 +8,7 @@ need none (greedy requests, requests without drafts) consume nothing.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -28,9 +29,7 @@ def draw_uniforms(
     float64 because float32 uniforms hit exactly 0 often enough to accept impossible drafts.
     Entries of requests without draws are 0.
     """
-    cu = [0]
-    for n in num_draft_tokens:
-        cu.append(cu[-1] + n)
+    cu = list(itertools.accumulate(num_draft_tokens, initial=0))
     shared = [i for i, need in enumerate(needs_draws) if need and i not in generators]
     if sum(cu[i + 1] - cu[i] for i in shared) == cu[-1]:
         out = torch.rand(cu[-1], dtype=torch.float64, device=device)

@@ -28,7 +28,7 @@ from torch import nn
 
 from cluster.kernels.backend import use_triton
 from cluster.kernels.rejection import run_rejection
-from cluster.kernels.rejection_inputs import PLACEHOLDER_TOKEN_ID, RejectionInputs
+from cluster.kernels.rejection_inputs import RejectionInputs
 from cluster.sample.logprobs import Logprobs, compute_logprobs
 from cluster.sample.metadata import SamplingMetadata
 from cluster.sample.processing import process_logits, sampling_distribution
@@ -200,10 +200,6 @@ class RejectionSamplerOutput:
     accepted_nodes: torch.Tensor  # [batch, max_depth] int64: node accepted at each depth, or -1
     logprobs: Logprobs | None  # [batch, max_depth + 1, ...] for every output token
 
-    @property
-    def num_output_tokens(self) -> torch.Tensor:  # [batch]: accepted drafts + 1
-        return (self.token_ids != PLACEHOLDER_TOKEN_ID).sum(dim=1)
-
 
 class RejectionSampler(nn.Module):
     """Verifies draft trees (and chains) against the target logits with each request's
@@ -240,9 +236,7 @@ class RejectionSampler(nn.Module):
         rows = spec.tree_rows()
         # [num_tokens + batch, vocab]: each request's root row, then its nodes'
         tree_logits = logits
-        if spec.tree_logits_indices is not None:
-            tree_logits = logits.index_select(0, spec.tree_logits_indices)
-        elif logits.shape[0] != spec.draft_token_ids.shape[0] + batch:
+        if logits.shape[0] != spec.draft_token_ids.shape[0] + batch:
             raise ValueError(
                 f"logits must have a row per request and per draft "
                 f"({spec.draft_token_ids.shape[0] + batch}), got {logits.shape[0]}"

@@ -23,9 +23,6 @@ class SpecDecodeMetadata:
     draft_token_ids: torch.Tensor  # [num_tokens] int64, flattened in request order
     num_draft_tokens: tuple[int, ...]  # per request, 0 allowed
     draft_parents: tuple[tuple[int, ...], ...] = ()  # [batch][n_i]; () for chains
-    # [num_tokens + batch] the logits rows of every request's root, then of its nodes;
-    # None: the logits hold exactly those rows, in that order (the layout `from_trees` names)
-    tree_logits_indices: torch.Tensor | None = None
 
     @property
     def parents(self) -> tuple[tuple[int, ...], ...]:
@@ -68,8 +65,8 @@ class SpecDecodeMetadata:
         )
 
     def tree_rows(self) -> LogitsRows:
-        """The rows of `tree_logits_indices`: the root's sees nothing extra, node j's the
-        drafts on the path from the root down to node j."""
+        """The logits rows (every request's root's, then its nodes'): the root's sees nothing
+        extra, node j's the drafts on the path from the root down to node j."""
         device = self.draft_token_ids.device
         requests: list[int] = []
         history_rows: list[int] = []

@@ -46,24 +46,20 @@ class _Family:
         self.label = label
         prom_labels = [*common, *(label[:1] if label else ())]
         ray_labels = ("model", *(label[1:] if label else ()))
-        if kind == "counter":
-            self._prom = prom.Counter(f"vllm:{vllm_name}", doc, prom_labels, registry=registry)
-            self._ray = ray_metrics.Counter(
-                f"cluster_{ray_name}", description=doc, tag_keys=ray_labels
-            )
-        elif kind == "gauge":
-            self._prom = prom.Gauge(f"vllm:{vllm_name}", doc, prom_labels, registry=registry)
-            self._ray = ray_metrics.Gauge(
-                f"cluster_{ray_name}", description=doc, tag_keys=ray_labels
-            )
-        else:
-            self._prom = prom.Histogram(
-                f"vllm:{vllm_name}", doc, prom_labels, registry=registry, buckets=_LATENCY_BUCKETS
-            )
-            self._ray = ray_metrics.Histogram(
-                f"cluster_{ray_name}", description=doc, boundaries=_LATENCY_BUCKETS,
-                tag_keys=ray_labels,
-            )  # fmt: skip
+        prom_kind, ray_kind = {
+            "counter": (prom.Counter, ray_metrics.Counter),
+            "gauge": (prom.Gauge, ray_metrics.Gauge),
+            "histogram": (prom.Histogram, ray_metrics.Histogram),
+        }[kind]
+        histogram = kind == "histogram"
+        prom_buckets = {"buckets": _LATENCY_BUCKETS} if histogram else {}
+        ray_buckets = {"boundaries": _LATENCY_BUCKETS} if histogram else {}
+        self._prom = prom_kind(
+            f"vllm:{vllm_name}", doc, prom_labels, registry=registry, **prom_buckets
+        )
+        self._ray = ray_kind(
+            f"cluster_{ray_name}", description=doc, tag_keys=ray_labels, **ray_buckets
+        )
         self._ray.set_default_tags({"model": common["model_name"]})
         self._common = common
 

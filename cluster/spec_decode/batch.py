@@ -59,6 +59,11 @@ class DraftProposal:
     # None: chains.
     parents: list[list[int] | None] | None = None
 
+    @classmethod
+    def none(cls, batch_size: int) -> DraftProposal:
+        """No drafts for any request."""
+        return cls([[] for _ in range(batch_size)], [None] * batch_size)
+
 
 class Proposer(Protocol):
     """A drafter: the EAGLE-family heads, a draft LM, n-gram lookup (or a test's script)."""

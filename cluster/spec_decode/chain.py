@@ -1,5 +1,5 @@
 """Drafting steps 2..k, shared by the EAGLE-family and draft-model proposers (chains here;
-trees through `tree_drafting.grow_trees`, both behind `draft_from_roots`).
+trees through `tree_drafting.grow_trees`, both behind `ModelDrafter.draft_from_roots`).
 
 After pass 0 each drafting request has one draft token, the position it follows and
 (for EAGLE) a hidden state. Every further pass feeds the previous draft token at the next
@@ -146,47 +146,76 @@ def draft_confidence(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
     return torch.softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
 
 
-def draft_from_roots(
-    step_fn: StepFn,
-    batch: ProposalBatch,
-    drafting: list[int],  # batch indices of the requests that draft, in root order
-    root_logits: torch.Tensor,  # [n, vocab] the draft's logits after each root
-    root_hidden: torch.Tensor | None,  # [n, H] the hidden state the next pass continues
-    root_indices: list[int],  # [n] position of each root (the token draft 1 follows)
-    block_size: int,
-    kv_cache: KVCache,
-    k: int,
-    sample: bool,
-    tree: TreeShape | None,
-    min_confidence: float | None = None,
-) -> DraftProposal:
-    """Every drafting request's drafts after pass 0: a chain (`run_chain`) or a tree
-    (`grow_trees`), placed at its batch index; the others get none."""
-    proposal = DraftProposal([[] for _ in batch.sampled], [None] * len(batch.sampled))
-    params = [batch.params[i] for i in drafting]
-    generators = {
-        j: batch.draft_generators[i] for j, i in enumerate(drafting) if i in batch.draft_generators
-    }
-    tables = batch.block_tables[drafting]
-    num_blocks = [batch.num_blocks[i] for i in drafting]
-    if tree is not None:
-        trees, probs = grow_trees(
-            step_fn, root_logits, root_hidden, root_indices, tables, num_blocks, block_size,
-            kv_cache, params, generators, sample, tree,
+class ModelDrafter:
+    """What the proposers that run a draft model share (the EAGLE family's heads, a draft
+    LM): the cache their passes write draft KV into, how many drafts they make and how
+    they choose them, and passes 2..k after their own pass 0 (`draft_from_roots`)."""
+
+    needs_token_history = False
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        block_size: int,
+        num_speculative_tokens: int,
+        sample: bool,
+        tree: TreeShape | None = None,
+        min_confidence: float | None = None,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.k = num_speculative_tokens
+        self.sample = sample
+        self.tree = tree  # draft trees (EAGLE-2's expansion) instead of chains
+        self.min_confidence = min_confidence  # chains end where the draft doubts them
+
+    def drafting(self, batch: ProposalBatch) -> tuple[int, list[int]]:
+        """(drafts per request this step, the batch indices of the requests that draft:
+        those that sampled, none when no draft is wanted)."""
+        k = self.k if batch.num_drafts is None else min(self.k, batch.num_drafts)
+        return k, [i for i, s in enumerate(batch.sampled) if s and batch.num_valid[i] and k]
+
+    def draft_from_roots(
+        self,
+        step_fn: StepFn,
+        batch: ProposalBatch,
+        drafting: list[int],  # batch indices of the requests that draft, in root order
+        k: int,
+        root_logits: torch.Tensor,  # [n, vocab] the draft's logits after each root
+        root_hidden: torch.Tensor | None,  # [n, H] the hidden state the next pass continues
+        root_indices: list[int],  # [n] position of each root (the token draft 1 follows)
+    ) -> DraftProposal:
+        """Every drafting request's drafts after pass 0: a chain (`run_chain`) or a tree
+        (`grow_trees`), placed at its batch index; the others get none."""
+        proposal = DraftProposal.none(len(batch.sampled))
+        params = [batch.params[i] for i in drafting]
+        generators = {
+            j: batch.draft_generators[i]
+            for j, i in enumerate(drafting)
+            if i in batch.draft_generators
+        }
+        tables = batch.block_tables[drafting]
+        num_blocks = [batch.num_blocks[i] for i in drafting]
+        block_size, kv_cache, sample = self.block_size, self.kv_cache, self.sample
+        if self.tree is not None:
+            trees, probs = grow_trees(
+                step_fn, root_logits, root_hidden, root_indices, tables, num_blocks, block_size,
+                kv_cache, params, generators, sample, self.tree,
+            )  # fmt: skip
+            proposal.parents = [None] * len(batch.sampled)
+            for j, i in enumerate(drafting):
+                proposal.token_ids[i], proposal.probs[i] = list(trees[j].tokens), probs[j]
+                proposal.parents[i] = list(trees[j].parents)
+            return proposal
+        tokens, first_probs = choose_tokens(root_logits, params, sample, generators)
+        first_confidence = None
+        if self.min_confidence is not None:
+            first_confidence = draft_confidence(root_logits, tokens)
+        drafts, draft_probs = run_chain(
+            step_fn, tokens, first_probs, root_hidden, root_indices, tables, num_blocks,
+            block_size, kv_cache, params, generators, k, sample, self.min_confidence,
+            first_confidence,
         )  # fmt: skip
-        proposal.parents = [None] * len(batch.sampled)
         for j, i in enumerate(drafting):
-            proposal.token_ids[i], proposal.probs[i] = list(trees[j].tokens), probs[j]
-            proposal.parents[i] = list(trees[j].parents)
+            proposal.token_ids[i], proposal.probs[i] = drafts[j], draft_probs[j]
         return proposal
-    tokens, first_probs = choose_tokens(root_logits, params, sample, generators)
-    first_confidence = None
-    if min_confidence is not None:
-        first_confidence = draft_confidence(root_logits, tokens)
-    drafts, draft_probs = run_chain(
-        step_fn, tokens, first_probs, root_hidden, root_indices, tables, num_blocks,
-        block_size, kv_cache, params, generators, k, sample, min_confidence, first_confidence,
-    )  # fmt: skip
-    for j, i in enumerate(drafting):
-        proposal.token_ids[i], proposal.probs[i] = drafts[j], draft_probs[j]
-    return proposal

@@ -13,13 +13,11 @@ from torch import nn
 
 from cluster.models.attention import AttentionMetadata, KVCache, attention_context
 from cluster.spec_decode.batch import DraftProposal, ProposalBatch
-from cluster.spec_decode.chain import draft_from_roots
+from cluster.spec_decode.chain import ModelDrafter
 from cluster.spec_decode.tree_drafting import TreeShape
 
 
-class DraftModelProposer:
-    needs_token_history = False
-
+class DraftModelProposer(ModelDrafter):
     def __init__(
         self,
         model: nn.Module,
@@ -30,13 +28,8 @@ class DraftModelProposer:
         tree: TreeShape | None = None,
         min_confidence: float | None = None,
     ) -> None:
+        super().__init__(kv_cache, block_size, num_speculative_tokens, sample, tree, min_confidence)
         self.model = model
-        self.min_confidence = min_confidence  # chains end where the draft doubts them
-        self.tree = tree  # draft trees (EAGLE-2's expansion) instead of chains
-        self.kv_cache = kv_cache
-        self.block_size = block_size
-        self.k = num_speculative_tokens
-        self.sample = sample
 
     def warm_up(self) -> float:
         return 0.0  # the draft LM runs eagerly
@@ -79,26 +72,14 @@ class DraftModelProposer:
         )
         with attention_context(meta):
             hidden = self.model(tensor(ids), meta.positions)
-        k = self.k if batch.num_drafts is None else min(self.k, batch.num_drafts)
-        drafting = [i for i, s in enumerate(batch.sampled) if s and batch.num_valid[i]]
-        if not drafting or k == 0:
-            return DraftProposal([[] for _ in batch.sampled], [None] * len(batch.sampled))
+        k, drafting = self.drafting(batch)
+        if not drafting:
+            return DraftProposal.none(len(batch.sampled))
         last_rows = tensor([starts[i + 1] - 1 for i in drafting])
 
         def step_fn(tokens, hidden, positions, step):
             return self.model.compute_logits(self.model(tokens, positions)), None
 
-        return draft_from_roots(
-            step_fn,
-            batch,
-            drafting,
-            self.model.compute_logits(hidden[last_rows]),
-            None,
-            [positions[starts[i + 1] - 1] for i in drafting],
-            self.block_size,
-            self.kv_cache,
-            k,
-            self.sample,
-            self.tree,
-            self.min_confidence,
-        )
+        root_logits = self.model.compute_logits(hidden[last_rows])
+        roots = [positions[starts[i + 1] - 1] for i in drafting]
+        return self.draft_from_roots(step_fn, batch, drafting, k, root_logits, None, roots)

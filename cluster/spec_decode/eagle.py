@@ -11,13 +11,15 @@ the previous draft with the draft's own hidden state (`chain.run_chain`).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from cluster.models.attention import AttentionMetadata, KVCache, attention_context
 from cluster.models.compiled import CompiledForward, CompileOptions
 from cluster.models.draft_base import DraftModel
 from cluster.spec_decode.batch import DraftProposal, ProposalBatch
-from cluster.spec_decode.chain import draft_from_roots
+from cluster.spec_decode.chain import ModelDrafter
 from cluster.spec_decode.tree_drafting import TreeShape
 
 
@@ -37,9 +39,7 @@ def shifted_input_ids(batch: ProposalBatch) -> tuple[torch.Tensor, torch.Tensor]
     )
 
 
-class EagleProposer:
-    needs_token_history = False
-
+class EagleProposer(ModelDrafter):
     def __init__(
         self,
         draft: DraftModel,
@@ -51,13 +51,8 @@ class EagleProposer:
         tree: TreeShape | None = None,
         min_confidence: float | None = None,
     ) -> None:
+        super().__init__(kv_cache, block_size, num_speculative_tokens, sample, tree, min_confidence)
         self.draft = draft
-        self.min_confidence = min_confidence  # chains end where the draft doubts them
-        self.tree = tree  # draft trees (EAGLE-2) instead of chains
-        self.kv_cache = kv_cache
-        self.block_size = block_size
-        self.k = num_speculative_tokens
-        self.sample = sample
         # request id -> (position, [layer j's output there for j < n - 1]): what the
         # next step's first row of a multi-layer head reads (`_write_later_layers`)
         self._carry: dict[str, tuple[int, list[torch.Tensor]]] = {}
@@ -91,9 +86,7 @@ class EagleProposer:
     def propose(self, batch: ProposalBatch) -> DraftProposal:
         assert batch.target_hidden is not None
         index, ids = shifted_input_ids(batch)
-        starts = [0]
-        for valid in batch.num_valid:
-            starts.append(starts[-1] + valid)
+        starts = list(itertools.accumulate(batch.num_valid, initial=0))
         meta = AttentionMetadata(
             query_start_loc=starts,
             seq_lens=[c + v for c, v in zip(batch.num_computed, batch.num_valid, strict=True)],
@@ -108,29 +101,19 @@ class EagleProposer:
         if len(self.forwards) > 1:
             self._write_later_layers(batch, ids, starts, meta, next_hidden)
 
-        k = self.k if batch.num_drafts is None else min(self.k, batch.num_drafts)
-        drafting = [i for i, s in enumerate(batch.sampled) if s and batch.num_valid[i]]
-        if not drafting or k == 0:
-            return DraftProposal([[] for _ in batch.sampled], [None] * len(batch.sampled))
+        k, drafting = self.drafting(batch)
+        if not drafting:
+            return DraftProposal.none(len(batch.sampled))
         last_rows = torch.tensor([starts[i + 1] - 1 for i in drafting], device=ids.device)
 
         def step_fn(tokens, hidden, positions, step):
             logits_hidden, next_hidden = self._forward(tokens, hidden, positions, step)
             return self.draft.compute_logits(logits_hidden, step), next_hidden
 
-        return draft_from_roots(
-            step_fn,
-            batch,
-            drafting,
-            self.draft.compute_logits(logits_hidden[last_rows], 0),
-            next_hidden[last_rows],
-            [batch.num_computed[i] + batch.num_valid[i] - 1 for i in drafting],
-            self.block_size,
-            self.kv_cache,
-            k,
-            self.sample,
-            self.tree,
-            self.min_confidence,
+        root_logits = self.draft.compute_logits(logits_hidden[last_rows], 0)
+        roots = [batch.num_computed[i] + batch.num_valid[i] - 1 for i in drafting]
+        return self.draft_from_roots(
+            step_fn, batch, drafting, k, root_logits, next_hidden[last_rows], roots
         )
 
     def _write_later_layers(

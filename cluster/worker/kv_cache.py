@@ -2,9 +2,9 @@
 
 Per attention layer, keys and values are `[num_blocks, block_size, num_kv_heads, head_dim]`
 (this rank's KV heads; a draft head's layers follow the target's and may have their own
-head geometry). A pipeline stage holds only its own layers, from `first_layer_idx` on. Block ids come from the engine core's `KVBlockManager`;
-`AttentionMetadata.slot_mapping` and `block_tables` say where this step's tokens go and
-where each sequence's context lives.
+head geometry). A pipeline stage holds only its own layers. Block ids come from the engine
+core's `KVBlockManager`; `AttentionMetadata.slot_mapping` and `block_tables` say where this
+step's tokens go and where each sequence's context lives.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from cluster.kernels.paged_attention import (
 from cluster.models.attention import AttentionMetadata, KVShape
 
 LayerShape = KVShape | tuple[int, int]  # (num_kv_heads, head_dim[, values_are_keys])
-# Layer index -> shape; a list numbers its layers from `first_layer_idx` on.
+# Layer index -> shape; a list numbers its layers from 0.
 LayerShapes = dict[int, LayerShape] | list[LayerShape]
 
 
@@ -36,11 +36,10 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         backend: str = "auto",
-        first_layer_idx: int = 0,
     ) -> None:
         self.block_size = block_size
         self.dtype = dtype
-        shapes = _by_layer(layer_shapes, first_layer_idx)
+        shapes = _by_layer(layer_shapes)
         # Attention layers need not be consecutive (hybrid models interleave recurrent ones).
         self.index = {layer_idx: i for i, layer_idx in enumerate(shapes)}
         self.backend = backend
@@ -63,7 +62,7 @@ class PagedKVCache:
             * s.num_kv_heads
             * s.head_dim
             * dtype.itemsize
-            for s in _by_layer(layer_shapes, 0).values()
+            for s in _by_layer(layer_shapes).values()
         )
 
     def attend(
@@ -107,16 +106,17 @@ class PagedKVCache:
             if not cpu_attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping):
                 write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
             return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, pieces, scale)
-        plan = meta.derived.get("attention_plan")  # index tensors shared by every layer
-        if plan is None:
-            plan = meta.derived["attention_plan"] = plan_paged_attention(
+        plan = meta.cached(  # index tensors shared by every layer
+            "attention_plan",
+            lambda: plan_paged_attention(
                 meta.block_tables,
                 meta.seq_lens,
                 meta.query_start_loc,
                 self.block_size,
                 meta.tree_bits,
                 meta.tree_starts,
-            )
+            ),
+        )
         write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention_ref(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, plan
@@ -137,7 +137,7 @@ class PagedKVCache:
                 flat.index_copy_(0, dst, flat.index_select(0, src))
 
 
-def _by_layer(shapes: LayerShapes, first_layer_idx: int) -> dict[int, KVShape]:
+def _by_layer(shapes: LayerShapes) -> dict[int, KVShape]:
     if isinstance(shapes, list):
-        shapes = {first_layer_idx + i: s for i, s in enumerate(shapes)}
+        shapes = dict(enumerate(shapes))
     return {i: s if isinstance(s, KVShape) else KVShape(*s) for i, s in sorted(shapes.items())}

@@ -49,7 +49,6 @@ class ModelRunner:
         device: torch.device,
         proposer: Proposer | None = None,
         aux_hidden_layers: tuple[int, ...] = (),
-        sampler_backend: str = "auto",
         state: ParallelState | None = None,
         compile_options: CompileOptions | None = None,
         state_cache: RecurrentStateCache | None = None,
@@ -63,7 +62,7 @@ class ModelRunner:
         self.proposer = proposer
         self.aux_hidden_layers = aux_hidden_layers
         self.feature_sink: FeatureSink | None = None  # `capture_features`
-        self.verifier = Verifier(int(model.config.vocab_size), device, sampler_backend)
+        self.verifier = Verifier(int(model.config.vocab_size), device)
         # The target's attention layers: an accepted tree path's KV moves in these only
         # (a draft head's layers are rewritten at the path's final slots by its pass 0).
         self.target_layers = {m.layer_idx for m in model.modules() if isinstance(m, AttentionLayer)}
@@ -100,21 +99,17 @@ class ModelRunner:
             intermediate = StageActivations(hidden, residual, list(aux))
         return self.model(input_ids, positions, self.aux_hidden_layers, intermediate)
 
-    def _run_target(self, *rows: torch.Tensor) -> Any:
-        """The target's forward over rows of at least `min_rows` (padding rows attend to
-        nothing, write no KV and are cut off)."""
+    def _on_min_rows(self, fn: Callable[..., Any], *rows: torch.Tensor) -> Any:
+        """`fn` (the target's forward, or its logits) over rows padded to at least
+        `min_rows` (padding rows attend to nothing, write no KV and are cut off)."""
         n = rows[0].shape[0]
         if n >= self.min_rows:
-            return self.target_forward(*rows)
-        padded = tuple(pad_rows(x, self.min_rows) for x in rows)
-        return cut_rows(self.target_forward(*padded), n)
+            return fn(*rows)
+        return cut_rows(fn(*(pad_rows(x, self.min_rows) for x in rows)), n)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, vocab] float32 logits of `hidden` ([n, hidden]), on at least `min_rows` rows."""
-        n = hidden.shape[0]
-        if n >= self.min_rows:
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(pad_rows(hidden, self.min_rows))[:n]
+        """[n, vocab] float32 logits of `hidden` ([n, hidden])."""
+        return self._on_min_rows(self.model.compute_logits, hidden)
 
     def warm_up(self) -> float:
         """Compile every bucket of the target's and the draft's forward now; returns the
@@ -193,7 +188,9 @@ class ModelRunner:
             self.recv_wait_s += time.perf_counter() - wait_start
             stage_rows = [intermediate.hidden, intermediate.residual, *intermediate.aux]
         with attention_context(inputs.meta):
-            out = self._run_target(inputs.input_ids, inputs.meta.positions, *stage_rows)
+            out = self._on_min_rows(
+                self.target_forward, inputs.input_ids, inputs.meta.positions, *stage_rows
+            )
         if step_states is not None:
             self.state_cache.end_step(step_states)
         if not self.state.is_last_stage:

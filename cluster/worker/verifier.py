@@ -39,11 +39,11 @@ class Verified:
 
 
 class Verifier:
-    def __init__(self, vocab_size: int, device: torch.device, backend: str = "auto") -> None:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler()
-        self.rejection_sampler = RejectionSampler(self.sampler, backend=backend)
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.penalties = PenaltyTables(vocab_size, device)  # rows added by the runner
 
     def prompt_logprobs(

@@ -96,11 +96,9 @@ class Worker:
     @property
     def _draft_kv(self) -> str:
         """Where this rank's draft keeps its KV ("target", "own" or "none")."""
-        return (
-            "none"
-            if self.draft is None or self.draft_method is None
-            else self.draft_method.kv_cache
-        )
+        if self.draft is None or self.draft_method is None:
+            return "none"
+        return self.draft_method.kv_cache
 
     def _layer_shapes(self) -> tuple[dict[int, LayerShape], dict[int, LayerShape]]:
         """(layers in the target's cache, layers of a draft with a cache of its own)."""
@@ -141,13 +139,7 @@ class Worker:
         device = self.state.device
         if device.type == "cpu":  # the C attention kernel (built at most once per machine)
             cpu_attention.load()
-        kv_cache = PagedKVCache(
-            shapes,
-            num_blocks,
-            block_size,
-            dtype,
-            device,
-        )
+        kv_cache = PagedKVCache(shapes, num_blocks, block_size, dtype, device)
         state_cache = None
         recurrent_shapes = recurrent_layer_shapes(self.model)
         if recurrent_shapes:
