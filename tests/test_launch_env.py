@@ -13,6 +13,7 @@ ADDED = (
     launch.HAPROXY_SWITCH,
     *launch.HAPROXY_DRAINING_S,
     *launch.HAPROXY_FORWARD_BODY,  # the route server reads each request's body
+    *launch.HAPROXY_MAXCONN,  # Ray < 2.60's default needs more descriptors than allowed here
     *launch.HAPROXY_PORT_VARS,
     *launch.HAPROXY_FILE_VARS,
 )

@@ -57,6 +57,9 @@ HAPROXY_FILE_VARS = {  # variable: its file in the folder (none: the folder itse
 HAPROXY_DRAINING_S = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 # HAProxy hands the route server (`route_server.py`) each request's body to route on.
 HAPROXY_FORWARD_BODY = {"RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
+# Ray before 2.60 lets HAProxy take 20,000 connections, for which it needs ~50,000 file
+# descriptors and dies at start where the limit is lower; 4096 is Ray 2.60's default.
+HAPROXY_MAXCONN = {"RAY_SERVE_HAPROXY_MAXCONN": "4096"}
 
 
 def haproxy_ingress_available() -> bool:
@@ -115,6 +118,7 @@ def local_ray_env() -> dict[str, str]:
         HAPROXY_SWITCH: "1",
         **HAPROXY_DRAINING_S,
         **HAPROXY_FORWARD_BODY,
+        **HAPROXY_MAXCONN,
         **{var: str(port) for var, port in zip(HAPROXY_PORT_VARS, ports, strict=True)},
         **{
             var: os.path.join(folder, name) if name else folder
