@@ -24,8 +24,8 @@ EAGLE / Jeon et al. 2024):
 
 Sums over the vocabulary (the residual's normaliser) are float64, so the torch path and the
 kernel, which add in different orders, agree except within ~1e-16 of a decision. Randomness
-is an input (`uniforms`, `inv_exponentials`), so this module, the per-request loop of the tests
-and the Triton kernel return the same tokens for the same draws.
+is an input (`uniforms`, `inv_exponentials`), so this module, the tests' per-request walk and
+the Triton kernel return the same tokens for the same draws.
 """
 
 from __future__ import annotations

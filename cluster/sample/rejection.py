@@ -221,7 +221,7 @@ class RejectionSampler(nn.Module):
 
     def forward(
         self,
-        logits: torch.Tensor,  # [num_logits, vocab]: rows named by `spec`
+        logits: torch.Tensor,  # [num_tokens + batch, vocab]: each request's root, then nodes
         spec: SpecDecodeMetadata,
         metadata: SamplingMetadata,
         draft_probs: torch.Tensor | None = None,  # [num_tokens, vocab], None for delta drafts
@@ -234,14 +234,12 @@ class RejectionSampler(nn.Module):
             raise ValueError(f"spec has {batch} requests but metadata has {metadata.batch_size}")
         device = logits.device
         rows = spec.tree_rows()
-        # [num_tokens + batch, vocab]: each request's root row, then its nodes'
-        tree_logits = logits
         if logits.shape[0] != spec.draft_token_ids.shape[0] + batch:
             raise ValueError(
                 f"logits must have a row per request and per draft "
                 f"({spec.draft_token_ids.shape[0] + batch}), got {logits.shape[0]}"
             )
-        processed = process_logits(tree_logits, metadata, rows)
+        processed = process_logits(logits, metadata, rows)
         greedy = metadata.is_greedy
         greedy_list = greedy.tolist()
         # Greedy rows are read only through their argmax: an all-greedy batch skips the softmax.
@@ -300,7 +298,7 @@ class RejectionSampler(nn.Module):
         )
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            sources = tree_logits if self.sampler.logprobs_mode == "raw" else processed
+            sources = logits if self.sampler.logprobs_mode == "raw" else processed
             logprobs = _logprobs(sources, verified.token_ids, verified.accepted_nodes, cu, metadata)
         return RejectionSamplerOutput(verified.token_ids, verified.accepted_nodes, logprobs)
 
