@@ -318,7 +318,11 @@ def ramp_phase(args) -> None:
 
 
 def plot(run: Run, path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the table above is the result; the plot needs the bench extra
+        print("no plot: matplotlib is missing (pip install -e '.[bench]')")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
