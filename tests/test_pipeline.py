@@ -173,7 +173,7 @@ EAGLE3 = {"method": "eagle3", "model": "builtin:smollm2-eagle3", "num_speculativ
 
 
 def _smollm2(path, **engine):
-    with LLM(path, dtype="float32", max_model_len=256, num_kv_blocks=128, **engine) as llm:
+    with LLM(path, dtype="bfloat16", max_model_len=256, num_kv_blocks=128, **engine) as llm:
         messages = [[{"role": "user", "content": p}] for p in SMOLLM2_PROMPTS]
         outs = llm.chat(messages, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs], llm.get_metrics()

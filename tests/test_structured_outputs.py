@@ -18,7 +18,7 @@ from cluster.engine.grammar import GrammarCompiler
 from cluster.sample.grammar_mask import apply_token_bitmask, unpack_token_bitmask
 from cluster.structured_outputs import StructuredOutputsParams
 
-ENGINE = dict(dtype="float32", max_model_len=320, max_num_seqs=4, num_kv_blocks=96)
+ENGINE = dict(dtype="bfloat16", max_model_len=320, max_num_seqs=4, num_kv_blocks=96)
 SCHEMA = {
     "type": "object",
     "properties": {
