@@ -7,6 +7,7 @@ later compiles of the same graphs cheaper.
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -204,3 +205,65 @@ def test_compiled_smollm2_with_speculation_equals_transformers(smollm2_path, met
     for prompt, out in zip(prompts, outs, strict=True):
         ours = out.outputs[0].token_ids
         assert_greedy_equal(hf, prompt, ours, hf_greedy(hf, prompt, len(ours)))
+
+
+def test_a_background_forward_runs_eagerly_until_its_warm_up_ends():
+    def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return ids * 2 + positions
+
+    options = CompileOptions((4,), autotune=False, background=True)
+    compiled = CompiledForward(forward, options, torch.device("cpu"), "t")
+    eager_calls = []  # the row counts the eager forward ran on (the graph is separate)
+    compiled.fn = lambda ids, positions: eager_calls.append(len(ids)) or forward(ids, positions)
+    meta = AttentionMetadata.for_prefill([3])
+    with torch.inference_mode():  # as the engine's steps (and the warm-up) run
+        ids, positions = torch.tensor([5, 6, 7]), torch.arange(3)
+    with torch.inference_mode(), attention_context(meta):
+        before = compiled(ids, positions)
+    assert eager_calls == [3] and not compiled.ready  # eager, unpadded, nothing compiled
+    thread = threading.Thread(target=compiled.warm_up)
+    thread.start()
+    thread.join()
+    assert compiled.ready == {4} and not compiled.eager_until_warm
+    with torch.inference_mode(), attention_context(meta):
+        after = compiled(ids, positions)
+    assert eager_calls == [3] and compiled.num_guard_misses == 0  # the graph ran
+    assert torch.equal(after, before) and torch.equal(after, torch.tensor([10, 13, 16]))
+
+
+def test_an_engine_compiling_in_the_background_answers_as_the_eager_one(tiny, monkeypatch):
+    """bfloat16, batch-invariant (one dynamic graph), EAGLE-3 drafts: the answers given while
+    the graphs compile (eager) and after (compiled) are the eager engine's, token for token.
+    The compile thread waits until the first answers are in, so they are surely eager."""
+    path, specs = tiny
+    spec = {**specs["eagle3"], "num_speculative_tokens": 3}
+    engine = {**ENGINE, "dtype": "bfloat16", "batch_invariant": True}
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    with LLM(path, speculative_config=spec, compile="off", **engine) as llm:
+        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+    go = threading.Event()
+    warm_up = CompiledForward.warm_up
+
+    def held_warm_up(self, *args, **kwargs):
+        assert go.wait(timeout=600)
+        return warm_up(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompiledForward, "warm_up", held_warm_up)
+    with LLM(
+        path, speculative_config=spec, compile="on", compile_in_background=True, **engine
+    ) as llm:
+        runner = llm.engine.core.executor.worker.runner
+        forwards = [runner.target_forward, *runner.proposer.forwards]
+        assert all(f.eager_until_warm for f in forwards)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        while_compiling = [o.outputs[0].token_ids for o in outs]
+        assert all(f.eager_until_warm and not f.ready for f in forwards)
+        go.set()
+        (thread,) = [t for t in threading.enumerate() if t.name == "cluster-compile"]
+        thread.join(timeout=600)
+        assert all(f.ready and not f.eager_until_warm for f in forwards)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        compiled = [o.outputs[0].token_ids for o in outs]
+        assert runner.target_forward.num_guard_misses == 0
+    assert while_compiling == eager and compiled == eager

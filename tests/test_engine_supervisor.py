@@ -37,8 +37,9 @@ def factory(fail_after: int | None = None):
     counter = itertools.count()
     started = []
 
-    def start(on_death):
+    def start(on_death, restart: bool):
         n = next(counter)
+        assert restart == (n > 0)  # every engine after the first replaces a dead one
         if fail_after is not None and n >= fail_after:
             raise RuntimeError("no room for the workers")
         started.append(StandInEngine(f"e{n}", on_death))

@@ -205,6 +205,10 @@ class CompileConfig(_Frozen):
     sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     # CPU: let inductor time its C++ GEMM templates against BLAS per shape (slower start).
     autotune: bool = True
+    # Serve at once, eagerly, while the graphs compile on a thread (a single rank only; a
+    # batch-invariant engine's answers are the same either way). A Serve replica's
+    # in-place restarts always do this.
+    background: bool = False
 
     @field_validator("sizes")
     @classmethod
@@ -308,6 +312,7 @@ FLAT_ENGINE_ARGS = {
     "compile": ("compile", "mode"),
     "compile_sizes": ("compile", "sizes"),
     "compile_autotune": ("compile", "autotune"),
+    "compile_in_background": ("compile", "background"),
 }
 
 

@@ -63,6 +63,9 @@ class CompileOptions:
     # weights are prepacked already: the graph then takes them as inputs, has a C++
     # wrapper, and is cached on disk (see the module docstring).
     freeze: bool = True
+    # Every forward runs eagerly until `warm_up` has built its graphs (on a thread, while
+    # the engine serves): see `ModelRunner.warm_up`.
+    background: bool = False
 
     @property
     def min_rows(self) -> int:
@@ -153,6 +156,8 @@ class CompiledForward:
             **compile_kwargs(device, options),
         )
         self.ready: set[int] = set()  # buckets that compiled
+        # Run eagerly until `warm_up` ends (it runs on a thread of its own meanwhile).
+        self.eager_until_warm = options.background
         self.failed: set[int] = set()
         self.num_guard_misses = 0  # calls whose built graph did not fit (0 once warmed up)
         # A CUDA graph's outputs live in its pool and the next replay overwrites them.
@@ -166,21 +171,30 @@ class CompiledForward:
     def warm_up(self, row_widths: Sequence[int] = (), dtype: torch.dtype | None = None) -> float:
         """Compile every bucket now, on inputs shaped as a step's: token ids and positions
         ([n] int64), then a zero row block [n, w] of `dtype` per entry of `row_widths`.
-        Returns the seconds it took; a bucket that fails is logged once and runs eagerly."""
+        Returns the seconds it took; a bucket that fails is logged once and runs eagerly.
+        With `options.background`, the forward runs eagerly until this returns."""
         from tqdm.auto import tqdm
 
         start = time.perf_counter()
         sizes = (self.options.min_rows,) if self.options.dynamic else self.options.sizes
-        for size in tqdm(sizes, desc=f"Compiling {self.name}", unit="graph"):
-            key = DYNAMIC_GRAPH if self.options.dynamic else size
-            meta = AttentionMetadata.for_prefill([size], self.device)
-            # inference mode and inference tensors, as in the engine's steps (dynamo guards
-            # on both: a graph built outside it would be rebuilt at the first step)
-            with torch.inference_mode(), attention_context(meta):
-                ids = torch.zeros(size, dtype=torch.int64, device=self.device)
-                positions = torch.arange(size, device=self.device)
-                rows = [torch.zeros(size, w, dtype=dtype, device=self.device) for w in row_widths]
-                self._run_bucket(key, (ids, positions, *rows))
+        progress = tqdm(
+            sizes, desc=f"Compiling {self.name}", unit="graph", disable=self.options.background
+        )
+        try:
+            for size in progress:
+                key = DYNAMIC_GRAPH if self.options.dynamic else size
+                meta = AttentionMetadata.for_prefill([size], self.device)
+                # inference mode and inference tensors, as in the engine's steps (dynamo
+                # guards on both: a graph built outside it would be rebuilt at the first step)
+                with torch.inference_mode(), attention_context(meta):
+                    ids = torch.zeros(size, dtype=torch.int64, device=self.device)
+                    positions = torch.arange(size, device=self.device)
+                    rows = [
+                        torch.zeros(size, w, dtype=dtype, device=self.device) for w in row_widths
+                    ]
+                    self._run_bucket(key, (ids, positions, *rows))
+        finally:
+            self.eager_until_warm = False
         return time.perf_counter() - start
 
     def _compile_config(self) -> Any:
@@ -223,7 +237,7 @@ class CompiledForward:
             rows = tuple(pad_rows(x, max(n, self.options.min_rows)) for x in rows)
         else:
             size = bucket_for(n, self.options.sizes)
-        if size is None or size in self.failed:
+        if size is None or size in self.failed or self.eager_until_warm:
             return cut_rows(self.fn(*rows), n)
         args = rows if self.options.dynamic else tuple(pad_rows(x, size) for x in rows)
         if size in self.ready:

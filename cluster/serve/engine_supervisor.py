@@ -7,12 +7,12 @@ same bundles). A health check that finds a dead worker or a stalled step does th
 one that merely times out does not (a loaded engine answers late), and Serve decides.
 
 Restarting in place keeps what did not die: the replica's HTTP server, its place in the
-routers, its tokenizer. The new workers read the weights through the page cache and load
-the compiled graphs from inductor's disk cache: with two default-model replicas under
-load on 2 cores (`benchmarks/recovery.py`, Intel Sapphire Rapids) the replica was ready
-again in a median 27 s (restarts logged 15-18 s), where Serve's replacement took 56 s. Requests that arrive meanwhile wait
-for the new engine (`ready`), and a request the engine died under before it produced
-anything is sent once more, to the new engine (`LLMServer`).
+routers, its tokenizer. The new workers read the weights through the page cache, and serve
+eagerly while their graphs compile on a thread (`compile.background`; the graphs load
+from inductor's disk cache, but dynamo traces the forward again, 4-9 s on 2 cores).
+Requests that arrive meanwhile wait for the new engine (`ready`), and a request the engine
+died under before it produced anything is sent once more, to the new engine (`LLMServer`).
+Timings against Serve's replacement: `benchmarks/results/fleet.md`.
 
 After `max_restarts` restarts within `RESTART_WINDOW_S`, or when a restart fails, the
 engine stays dead: requests get a 503 and the health check fails, so Serve replaces the
@@ -36,15 +36,16 @@ logger = logging.getLogger("ray.serve")
 # The window over which `max_restarts` counts restarts.
 RESTART_WINDOW_S = 600.0
 
-# Builds an engine that calls the given function (with the reason) when it dies.
-EngineFactory = Callable[[Callable[[str], object]], EngineClient]
+# Builds an engine that calls the given function (with the reason) when it dies; the flag
+# says whether it replaces a dead one (a restart in place).
+EngineFactory = Callable[[Callable[[str], object], bool], EngineClient]
 
 
 class EngineSupervisor:
     def __init__(self, start: EngineFactory, max_restarts: int) -> None:
         self._start = start
         self.max_restarts = max_restarts
-        self.engine = start(self.engine_failed)
+        self.engine = start(self.engine_failed, False)
         self.num_restarts = 0
         self._restarted_at: deque[float] = deque()
         self._restart: asyncio.Task | None = None
@@ -110,7 +111,7 @@ class EngineSupervisor:
         # CPUs (or GPUs) as the dead engine's ranks give them back.
         stopped = asyncio.ensure_future(asyncio.to_thread(dead.stop_actors))
         try:
-            self.engine = await asyncio.to_thread(self._start, self.engine_failed)
+            self.engine = await asyncio.to_thread(self._start, self.engine_failed, True)
         except Exception as e:
             await stopped
             self._failure = f"{reason}; its restart failed: {type(e).__name__}: {e}"

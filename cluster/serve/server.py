@@ -101,10 +101,15 @@ class LLMServer:
             http_ingress(),
         )
 
-    def _start_engine(self, on_death: Callable[[str], object]) -> EngineClient:
-        """A new engine (scheduler and workers) in this replica's placement group."""
+    def _start_engine(self, on_death: Callable[[str], object], restart: bool) -> EngineClient:
+        """A new engine (scheduler and workers) in this replica's placement group. One that
+        replaces a dead engine serves while its graphs compile (eagerly, same answers)."""
+        config = self.engine_config
+        if restart and config.compiles and not config.compile.background:
+            compile = config.compile.model_copy(update={"background": True})
+            config = config.model_copy(update={"compile": compile})
         return EngineClient(
-            self.engine_config,
+            config,
             self.args.placement_config(),
             self.placement_group,
             stall_timeout_s=self.args.server.stall_timeout_s,

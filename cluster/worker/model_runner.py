@@ -14,6 +14,8 @@ last stage, and the next step's token ids reach every stage from the scheduler.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +38,8 @@ from cluster.worker.kv_cache import PagedKVCache
 from cluster.worker.request_state import CachedRequestState
 from cluster.worker.state_cache import RecurrentStateCache
 from cluster.worker.verifier import Verified, Verifier
+
+logger = logging.getLogger(__name__)
 
 # capture_features' sink: (the step's scheduled requests, [num_tokens, F] feature rows)
 FeatureSink = Callable[[list[ScheduledRequest], torch.Tensor], None]
@@ -111,9 +115,29 @@ class ModelRunner:
         """[n, vocab] float32 logits of `hidden` ([n, hidden])."""
         return self._on_min_rows(self.model.compute_logits, hidden)
 
-    def warm_up(self) -> float:
+    def warm_up(self, background: bool = False) -> float:
         """Compile every bucket of the target's and the draft's forward now; returns the
-        seconds it took (0 when nothing is compiled)."""
+        seconds it took (0 when nothing is compiled).
+
+        `background` (forwards built with `CompileOptions.background`): compile on a thread
+        and return at once; each forward runs eagerly until its graphs exist. The compiled
+        rows of a batch-invariant engine equal the eager ones, so the answers do not change
+        when the graphs take over. Only for a single rank: the warm-up forwards of a
+        tensor- or pipeline-parallel rank run collectives, which must not interleave with
+        the steps'."""
+        if not background:
+            return self._warm_up()
+
+        def compile_all() -> None:
+            try:
+                logger.info("compiled the forwards in the background in %.1f s", self._warm_up())
+            except Exception:  # the forwards stay eager (each forward's warm_up ends it)
+                logger.exception("compiling the forwards in the background failed")
+
+        threading.Thread(target=compile_all, name="cluster-compile", daemon=True).start()
+        return 0.0
+
+    def _warm_up(self) -> float:
         seconds = 0.0
         if isinstance(self.target_forward, CompiledForward):
             hidden = int(self.model.config.hidden_size)

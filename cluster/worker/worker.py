@@ -171,7 +171,10 @@ class Worker:
             state_cache=state_cache,
             batch_invariant=self.config.model.batch_invariant,
         )
-        if compile_options is not None:
+        if compile_options is not None and compile_options.background:
+            self.runner.warm_up(background=True)
+            logger.info("compiling the forwards in the background; eager until they are built")
+        elif compile_options is not None:
             seconds = self.runner.warm_up()
             logger.info(
                 "compiled the forwards for %s tokens in %.1f s", compile_options.sizes, seconds
@@ -188,9 +191,18 @@ class Worker:
             return None
         compile = self.config.compile
         freeze = self.num_packed_weights == 0  # prepacked weights stay graph inputs
+        # A rank of several runs collectives in its warm-up: it compiles before serving.
+        background = compile.background and self.config.parallel.world_size == 1
+        if compile.background and not background:
+            logger.info(
+                "compile.background: a rank of %d compiles before serving",
+                self.config.parallel.world_size,
+            )
         if self.config.model.batch_invariant and self.state.device.type == "cpu":
-            return CompileOptions(compile.sizes, autotune=False, dynamic=True, freeze=freeze)
-        return CompileOptions(compile.sizes, compile.autotune, freeze=freeze)
+            return CompileOptions(
+                compile.sizes, autotune=False, dynamic=True, freeze=freeze, background=background
+            )
+        return CompileOptions(compile.sizes, compile.autotune, freeze=freeze, background=background)
 
     def execute_model(self, payload: bytes) -> bytes | None:
         if self.runner is None:
