@@ -29,7 +29,10 @@ def token_share(num_tokens: int, state: ParallelState) -> tuple[int, int]:
     return start, min(start + per_rank, num_tokens)
 
 
-@torch.compiler.disable
+# Opaque to dynamo (data-dependent all-to-all sizes). `_disable_dynamo` is
+# `torch.compiler.disable` that imports dynamo at the first call instead of at import:
+# dynamo takes ~1 s to import, which the scheduler actor (no forward) never needs.
+@torch._disable_dynamo
 def expert_parallel_experts(
     x: torch.Tensor,  # [num_tokens, hidden], the same on every TP rank
     w13: torch.Tensor,  # [local_experts, 2 * inter, hidden]: this rank's whole experts
