@@ -213,21 +213,24 @@ def test_a_background_forward_runs_eagerly_until_its_warm_up_ends():
 
     options = CompileOptions((4,), autotune=False, background=True)
     compiled = CompiledForward(forward, options, torch.device("cpu"), "t")
-    eager_calls = []  # the row counts the eager forward ran on (the graph is separate)
-    compiled.fn = lambda ids, positions: eager_calls.append(len(ids)) or forward(ids, positions)
     meta = AttentionMetadata.for_prefill([3])
     with torch.inference_mode():  # as the engine's steps (and the warm-up) run
         ids, positions = torch.tensor([5, 6, 7]), torch.arange(3)
     with torch.inference_mode(), attention_context(meta):
         before = compiled(ids, positions)
-    assert eager_calls == [3] and not compiled.ready  # eager, unpadded, nothing compiled
+    assert not compiled.ready  # it ran eagerly: calling the graph would have built it
     thread = threading.Thread(target=compiled.warm_up)
     thread.start()
     thread.join()
     assert compiled.ready == {4} and not compiled.eager_until_warm
+
+    def no_eager(*args):
+        raise AssertionError("the eager forward ran after the warm-up")
+
+    compiled.fn = no_eager
     with torch.inference_mode(), attention_context(meta):
         after = compiled(ids, positions)
-    assert eager_calls == [3] and compiled.num_guard_misses == 0  # the graph ran
+    assert compiled.num_guard_misses == 0  # the graph ran, as built
     assert torch.equal(after, before) and torch.equal(after, torch.tensor([10, 13, 16]))
 
 

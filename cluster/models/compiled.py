@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import logging
 import time
 import types
@@ -149,12 +150,6 @@ class CompiledForward:
         self.options = options
         self.name = name
         self.device = device
-        self._compiled = torch.compile(
-            private_copy(fn),
-            fullgraph=True,
-            dynamic=False,
-            **compile_kwargs(device, options),
-        )
         self.ready: set[int] = set()  # buckets that compiled
         # Run eagerly until `warm_up` ends (it runs on a thread of its own meanwhile).
         self.eager_until_warm = options.background
@@ -162,11 +157,22 @@ class CompiledForward:
         self.num_guard_misses = 0  # calls whose built graph did not fit (0 once warmed up)
         # A CUDA graph's outputs live in its pool and the next replay overwrites them.
         self.copy_outputs = device.type == "cuda"
+
+    @functools.cached_property
+    def _compiled(self) -> Callable[..., Any]:
+        """The `torch.compile` wrapper, made at the first compile: importing dynamo takes
+        about a second, which a background warm-up keeps off the start's path."""
         # One graph per bucket of the same code object: dynamo's per-code-object limit must
         # allow them all (a process-wide setting that is only ever raised here).
-        limit = 2 * len(options.sizes) + 8
+        limit = 2 * len(self.options.sizes) + 8
         if torch._dynamo.config.recompile_limit < limit:
             torch._dynamo.config.recompile_limit = limit
+        return torch.compile(
+            private_copy(self.fn),
+            fullgraph=True,
+            dynamic=False,
+            **compile_kwargs(self.device, self.options),
+        )
 
     def warm_up(self, row_widths: Sequence[int] = (), dtype: torch.dtype | None = None) -> float:
         """Compile every bucket now, on inputs shaped as a step's: token ids and positions
