@@ -101,3 +101,28 @@ def test_a_failed_restart_leaves_the_engine_dead_with_both_reasons():
         assert supervisor.dead is not None and supervisor.num_restarts == 0
 
     asyncio.run(main())
+
+
+def test_a_replicas_restarted_engine_serves_while_its_graphs_compile(monkeypatch, smollm2_path):
+    """`LLMServer` starts its first engine as configured (compiling before it serves) and
+    every engine that replaces a dead one with `compile.background` on."""
+    from types import SimpleNamespace
+
+    from cluster.serve import server as server_module
+
+    configs = []
+    monkeypatch.setattr(
+        server_module, "EngineClient", lambda config, *args, **kwargs: configs.append(config)
+    )
+    server = server_module.LLMServer.__new__(server_module.LLMServer)
+    args = {"model": {"path": smollm2_path}, "compile": {"mode": "on"}}
+    server.args = server_module.ClusterArgs.model_validate(args)
+    server.engine_config = server.args.engine_config()
+    server.placement_group, server.tokenizer = None, None
+    server.metrics = SimpleNamespace(observe_batch=None)
+    server._start_engine(lambda reason: None, False)
+    server._start_engine(lambda reason: None, True)
+    first, restarted = configs
+    assert first is server.engine_config and not first.compile.background
+    assert restarted.compile.background
+    assert restarted.model_copy(update={"compile": first.compile}) == first  # nothing else
