@@ -195,7 +195,8 @@ class Worker:
         background = compile.background and self.config.parallel.world_size == 1
         if compile.background and not background:
             logger.info(
-                "compile.background: a rank of %d compiles before serving",
+                "compile.background is ignored with %d ranks: their warm-up runs collectives, "
+                "so each rank compiles before serving",
                 self.config.parallel.world_size,
             )
         if self.config.model.batch_invariant and self.state.device.type == "cpu":
