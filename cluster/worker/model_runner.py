@@ -84,6 +84,8 @@ class ModelRunner:
         # The target's forward over rows (input_ids, positions[, hidden, residual, *aux]),
         # compiled per token-count bucket when asked.
         self.target_forward = self._target_rows
+        # Compile on a thread while the engine serves eagerly (see `warm_up`).
+        self.compile_in_background = compile_options is not None and compile_options.background
         if compile_options is not None:
             self.target_forward = CompiledForward(
                 self._target_rows, compile_options, device, "target"
@@ -115,17 +117,17 @@ class ModelRunner:
         """[n, vocab] float32 logits of `hidden` ([n, hidden])."""
         return self._on_min_rows(self.model.compute_logits, hidden)
 
-    def warm_up(self, background: bool = False) -> float:
+    def warm_up(self) -> float:
         """Compile every bucket of the target's and the draft's forward now; returns the
         seconds it took (0 when nothing is compiled).
 
-        `background` (forwards built with `CompileOptions.background`): compile on a thread
-        and return at once; each forward runs eagerly until its graphs exist. The compiled
+        With `CompileOptions.background` (every forward built with it): compile on a thread
+        and return 0 at once; each forward runs eagerly until its graphs exist. The compiled
         rows of a batch-invariant engine equal the eager ones, so the answers do not change
         when the graphs take over. Only for a single rank: the warm-up forwards of a
         tensor- or pipeline-parallel rank run collectives, which must not interleave with
         the steps'."""
-        if not background:
+        if not self.compile_in_background:
             return self._warm_up()
 
         def compile_all() -> None:

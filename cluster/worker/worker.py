@@ -172,7 +172,7 @@ class Worker:
             batch_invariant=self.config.model.batch_invariant,
         )
         if compile_options is not None and compile_options.background:
-            self.runner.warm_up(background=True)
+            self.runner.warm_up()  # returns at once; its thread logs when the graphs are built
             logger.info("compiling the forwards in the background; eager until they are built")
         elif compile_options is not None:
             seconds = self.runner.warm_up()
