@@ -351,8 +351,9 @@ def test_prefix_routing_sends_a_prompt_to_the_replica_caching_its_prefix(app, ti
         client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
         if hit_tokens() == hits:
             misses.append(i)
-    # Each prompt's first request misses; at most one more miss in all 16 (under a loaded
-    # machine one second request has been seen to miss: the router had not yet learnt where
-    # its pair went). Round robin or least-connections would miss at least 8 times.
-    assert {0, 2, 4, 6} <= set(misses) and len(misses) <= 5, misses
+    # Each prompt's first request misses. Round robin or least-connections put every prompt
+    # in both caches: 8 misses. Allow two more than the router's 4: HAProxy redispatches a
+    # request whose pinned replica is slow to accept it (`option redispatch`), and on a
+    # loaded machine (the full suite) two such lapses in 16 requests have been seen.
+    assert {0, 2, 4, 6} <= set(misses) and len(misses) <= 6, misses
     serve.delete("prefix")
