@@ -170,6 +170,7 @@ def main() -> None:
         )
 
     ctx = args.context
+    verify_steps: dict[int, tuple[AttentionMetadata, torch.Tensor]] = {}
     for shape in ("decode", "verify"):
         for n in args.tokens:
             num_seqs, new = (n, 1) if shape == "decode" else (1, n)
@@ -210,6 +211,30 @@ def main() -> None:
 
             label = f"{shape} (ctx {ctx})"
             row(label, n, meta, step.flatten(), hf_step)
+            if shape == "verify":
+                verify_steps[n] = (meta, step.flatten())
+
+    # The verification cost ratio, with every token count's step timed in turns in one
+    # loop (the rows above time each shape apart, so machine drift enters their ratios).
+    best_fn = compiled if compiled is not None else eager
+    if 1 in verify_steps and len(verify_steps) > 1:
+        fns: dict[str, Callable[[], object]] = {}
+        for n, (meta, ids) in verify_steps.items():
+
+            def run(meta=meta, ids=ids) -> object:
+                with attention_context(meta):
+                    out = best_fn(ids, meta.positions)
+                sync()
+                return out
+
+            fns[str(n)] = run
+        ms = interleaved_ms(fns, 3 * args.repeats)
+        kind = "compiled" if compiled is not None else "eager"
+        print(f"\nverification against a one-token step ({kind}, ctx {ctx}, interleaved):\n")
+        print("| tokens | step (ms) | / one token |")
+        print("|---:|---:|---:|")
+        for n in verify_steps:
+            print(f"| {n} | {ms[str(n)]:.2f} | {ms[str(n)] / ms['1']:.2f} |")
 
 
 if __name__ == "__main__":

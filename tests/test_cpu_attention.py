@@ -124,6 +124,29 @@ def test_every_row_is_the_same_bits_attended_alone(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_the_same_bits_however_work_items_cut_them(dtype, monkeypatch):
+    """A work item's row count (1 row, the default cuts, the largest) moves no bit."""
+    gen = torch.Generator().manual_seed(31)
+    batch = make_batch(gen, LONG_SEQUENCES, 9, 3, 64, 16, dtype, CPU)
+    want = run_kernel(batch)
+    for rows in (1, 5, cpu_attention.MAX_ROW_CHUNK):
+        monkeypatch.setattr(cpu_attention, "rows_per_item", lambda *_, rows=rows: rows)
+        assert torch.equal(run_kernel(batch), want), rows
+
+
+def test_work_items_spread_a_lone_verification_over_the_threads():
+    # one 16-token piece, 3 KV heads of 3 query heads each (48 rows a head), 2 threads:
+    # two items a head, 6 in all, 3 a thread
+    assert cpu_attention.rows_per_item(48, 3, 2) == 24
+    assert cpu_attention.rows_per_item(12, 3, 2) == 6  # a 4-token verification
+    assert cpu_attention.rows_per_item(3, 3, 2) == 3  # a decode row is not cut
+    assert cpu_attention.rows_per_item(12, 48, 2) == 12  # many pieces: whole units
+    assert cpu_attention.rows_per_item(64, 8, 2) == 24  # capped at MAX_ROW_CHUNK
+    assert cpu_attention.rows_per_item(48, 3, 1) == 24
+
+
+@needs_kernel
 def test_a_tree_node_equals_its_ancestors_laid_out_as_a_chain():
     """A node sees the context and its ancestors, with masked siblings between them; the
     same keys side by side (a chain, plain causal) give the same bits."""
@@ -190,7 +213,6 @@ def test_the_kernels_constants_match_the_python_side():
 
     # the kernel's work items cover a piece's queries only up to its PIECE_LEN_MAX
     assert define("PIECE_LEN_MAX") == PIECE_LEN
-    assert define("ROW_CHUNK") == cpu_attention.ROW_CHUNK
     assert define("KEY_BLOCK") == cpu_attention.KEY_BLOCK
 
 

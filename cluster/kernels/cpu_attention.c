@@ -5,9 +5,10 @@
  * `paged_attention_ref` in `paged_attention.py`.
  *
  * A work item is a piece (up to 16 consecutive new tokens of one sequence), one KV head
- * and a chunk of at most ROW_CHUNK of its rows (the piece's queries of that head's query
- * heads), so one verification piece still spreads over the threads; key and value rows
- * are prefetched a few keys ahead. Each row's result is
+ * and a chunk of at most `row_chunk` of its rows (the piece's queries of that head's
+ * query heads; the caller sizes chunks so that one verification piece still spreads over
+ * the threads). An item reads its keys and values from the cache once, block by block,
+ * as float32 rows. Each row's result is
  * the same bits whatever else the item or the step holds, so a token's attention is the
  * same alone, in a batch, in a verification step, in a prefill chunk or as a draft-tree
  * node whose ancestors sit among masked siblings (batch invariance):
@@ -26,7 +27,6 @@
 #define KEY_BLOCK 16
 #define MAX_TREE_TOKENS 64
 #define PIECE_LEN_MAX 16 /* queries per piece (attention_plan.PIECE_LEN) */
-#define ROW_CHUNK 8 /* rows per work item */
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
@@ -90,6 +90,16 @@ static inline __attribute__((always_inline)) void dot_rows(const float *q, const
     for (int i = 0; i < N; i++) out[i * KEY_BLOCK] = acc[i];
 }
 
+static inline __attribute__((always_inline)) void dot_rows_any(const float *q, const float *k,
+                                                               int dim, v16 *out, int n) {
+    switch (n) {
+    case 1: dot_rows(q, k, dim, out, 1); break;
+    case 2: dot_rows(q, k, dim, out, 2); break;
+    case 3: dot_rows(q, k, dim, out, 3); break;
+    default: dot_rows(q, k, dim, out, 4); break;
+    }
+}
+
 /* The 16 lane sums of 16 keys' `dot_rows` at once, each in the same fixed tree:
  * s8[i] = l[i] + l[i + 8]; s4[i] = s8[i] + s8[i + 4]; (s4[0] + s4[2]) + (s4[1] + s4[3]).
  * Lane c of the result is key c's sum. */
@@ -116,11 +126,6 @@ static inline v16 sum_lanes16(const v16 *a) {
                                    27, 29, 31);
 }
 
-/* The cache slot of key `pos` of a sequence with block table `blocks`. */
-static inline int64_t slot_of(const int32_t *blocks, int pos, int block_size) {
-    return (int64_t)blocks[pos / block_size] * block_size + pos % block_size;
-}
-
 typedef struct {
     const char *q;
     int64_t q_token_stride, q_head_stride; /* bytes */
@@ -137,20 +142,18 @@ typedef struct {
  * slot, and loading them one key at a time left the kernel waiting on memory. */
 #define PREFETCH_KEYS 8
 
-static inline void prefetch_row(const char *cache, int64_t slot, const Layer *L, int kvh,
-                                int64_t row_bytes) {
-    const char *row = cache + (slot * L->num_kv_heads + kvh) * row_bytes;
+static inline void prefetch_row(const char *row, int64_t row_bytes) {
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
 }
 
-/* The weighted values of rows [0, rows) over keys [0, num_keys), key by key in key
- * order, skipping zero weights: acc[r] += w * v, total[r] += w. ROWS rows and DV vectors
- * of 16 per row are compile-time constants here, so the accumulators stay in registers;
- * `values_rows_any` does the same arithmetic in memory for other shapes. */
+/* The weighted values of rows [0, rows) over keys [0, num_keys) (`vf`: the item's values
+ * as float32, [num_keys, dim]), key by key in key order, skipping zero weights:
+ * acc[r] += w * v, total[r] += w. ROWS rows and DV vectors of 16 per row are compile-time
+ * constants here, so the accumulators stay in registers; `values_rows_any` does the same
+ * arithmetic in memory for other shapes. */
 static inline __attribute__((always_inline)) void values_rows_fixed(
-    const Layer *L, const int32_t *blocks, int kvh, int num_keys, const float *weights,
-    int padded, float *acc_out, float *total_out, float *row, const int ROWS, const int DV) {
-    const size_t cache_item = L->cache_dtype == DTYPE_BFLOAT16 ? 2 : 4;
+    const float *vf, int num_keys, const float *weights, int padded, float *acc_out,
+    float *total_out, const int ROWS, const int DV) {
     const int dim = DV * 16;
     v16 acc[4][8];
     float total[4];
@@ -159,12 +162,7 @@ static inline __attribute__((always_inline)) void values_rows_fixed(
         for (int v = 0; v < DV; v++) acc[r][v] = (v16){0};
     }
     for (int c = 0; c < num_keys; c++) {
-        int64_t slot = slot_of(blocks, c, L->block_size);
-        if (c + PREFETCH_KEYS < num_keys)
-            prefetch_row(L->v_cache, slot_of(blocks, c + PREFETCH_KEYS, L->block_size), L, kvh,
-                         dim * cache_item);
-        load_row(row, L->v_cache + (slot * L->num_kv_heads + kvh) * dim * cache_item,
-                 L->cache_dtype, dim);
+        const float *row = vf + (size_t)c * dim;
         for (int r = 0; r < ROWS; r++) {
             const float w = weights[(size_t)r * padded + c];
             if (w == 0.0f) continue;
@@ -182,20 +180,12 @@ static inline __attribute__((always_inline)) void values_rows_fixed(
     }
 }
 
-static void values_rows_any(const Layer *L, const int32_t *blocks, int kvh, int num_keys,
-                            const float *weights, int padded, float *acc, float *total,
-                            float *row, int rows) {
-    const size_t cache_item = L->cache_dtype == DTYPE_BFLOAT16 ? 2 : 4;
-    const int dim = L->head_dim;
+static void values_rows_any(const float *vf, int dim, int num_keys, const float *weights,
+                            int padded, float *acc, float *total, int rows) {
     memset(acc, 0, (size_t)rows * dim * sizeof(float));
     memset(total, 0, (size_t)rows * sizeof(float));
     for (int c = 0; c < num_keys; c++) {
-        int64_t slot = slot_of(blocks, c, L->block_size);
-        if (c + PREFETCH_KEYS < num_keys)
-            prefetch_row(L->v_cache, slot_of(blocks, c + PREFETCH_KEYS, L->block_size), L, kvh,
-                         dim * cache_item);
-        load_row(row, L->v_cache + (slot * L->num_kv_heads + kvh) * dim * cache_item,
-                 L->cache_dtype, dim);
+        const float *row = vf + (size_t)c * dim;
         for (int r = 0; r < rows; r++) {
             float w = weights[(size_t)r * padded + c];
             if (w == 0.0f) continue;
@@ -210,20 +200,18 @@ static void values_rows_any(const Layer *L, const int32_t *blocks, int kvh, int 
  * accumulator registers at most. */
 static inline int value_group(int dv) { return dv == 4 ? 4 : dv == 8 ? 2 : 0; }
 
-static void values_rows(const Layer *L, const int32_t *blocks, int kvh, int num_keys,
-                        const float *weights, int padded, float *acc, float *total,
-                        float *row, int rows) {
-    const int dv = L->head_dim / 16, group = value_group(dv), dim = L->head_dim;
+static void values_rows(const float *vf, int dim, int num_keys, const float *weights,
+                        int padded, float *acc, float *total, int rows) {
+    const int dv = dim / 16, group = value_group(dv);
     if (group == 0) {
-        values_rows_any(L, blocks, kvh, num_keys, weights, padded, acc, total, row, rows);
+        values_rows_any(vf, dim, num_keys, weights, padded, acc, total, rows);
         return;
     }
     for (int r0 = 0; r0 < rows; r0 += group) {
         const int n = rows - r0 < group ? rows - r0 : group;
         const float *w = weights + (size_t)r0 * padded;
         float *a = acc + (size_t)r0 * dim, *t = total + r0;
-#define VALUES(ROWS, DV) \
-    values_rows_fixed(L, blocks, kvh, num_keys, w, padded, a, t, row, ROWS, DV)
+#define VALUES(ROWS, DV) values_rows_fixed(vf, num_keys, w, padded, a, t, ROWS, DV)
         if (dv == 4) {
             switch (n) {
             case 1: VALUES(1, 4); break;
@@ -239,11 +227,63 @@ static void values_rows(const Layer *L, const int32_t *blocks, int kvh, int num_
     }
 }
 
+/* The item's keys and values [0, num_keys) as float32 rows of `dim` in kf and vf, read
+ * from their cache slots block by block (no division per key), rows prefetched a few
+ * keys ahead. */
+static void gather_kv(const Layer *L, const int32_t *blocks, int kvh, int num_keys,
+                      float *kf, float *vf) {
+    const int dim = L->head_dim, bs = L->block_size;
+    const size_t cache_item = L->cache_dtype == DTYPE_BFLOAT16 ? 2 : 4;
+    const int64_t row_bytes = dim * cache_item, slot_bytes = L->num_kv_heads * row_bytes;
+    const int64_t head_offset = kvh * row_bytes;
+    for (int c0 = 0; c0 < num_keys; c0 += bs) {
+        const int n = num_keys - c0 < bs ? num_keys - c0 : bs;
+        const int64_t base = (int64_t)blocks[c0 / bs] * bs * slot_bytes + head_offset;
+        if (c0 + bs < num_keys) { /* the next block's rows */
+            const int64_t next = (int64_t)blocks[c0 / bs + 1] * bs * slot_bytes + head_offset;
+            const int m = num_keys - c0 - bs < PREFETCH_KEYS ? num_keys - c0 - bs : PREFETCH_KEYS;
+            for (int i = 0; i < m; i++) {
+                prefetch_row(L->k_cache + next + i * slot_bytes, row_bytes);
+                prefetch_row(L->v_cache + next + i * slot_bytes, row_bytes);
+            }
+        }
+        for (int i = 0; i < n; i++) {
+            if (i + PREFETCH_KEYS < n) {
+                prefetch_row(L->k_cache + base + (i + PREFETCH_KEYS) * slot_bytes, row_bytes);
+                prefetch_row(L->v_cache + base + (i + PREFETCH_KEYS) * slot_bytes, row_bytes);
+            }
+            const int64_t at = base + i * slot_bytes;
+            load_row(kf + (size_t)(c0 + i) * dim, L->k_cache + at, L->cache_dtype, dim);
+            load_row(vf + (size_t)(c0 + i) * dim, L->v_cache + at, L->cache_dtype, dim);
+        }
+    }
+}
+
+/* The largest of x[0..n) (-inf for none): in 16 lanes, then across them; a maximum does
+ * not depend on the order it is taken in. */
+static inline float row_max(const float *x, int n) {
+    v16 m = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+             -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+             -INFINITY, -INFINITY};
+    int c = 0;
+    for (; c + 16 <= n; c += 16) {
+        v16 y;
+        memcpy(&y, x + c, sizeof y);
+        const v16u more = (v16u)(y > m); /* all ones where y is larger */
+        m = (v16)(((v16u)y & more) | ((v16u)m & ~more));
+    }
+    float max = -INFINITY;
+    for (int l = 0; l < 16; l++) max = m[l] > max ? m[l] : max;
+    for (; c < n; c++) max = x[c] > max ? x[c] : max;
+    return max;
+}
+
 /* One work item: rows [row0, row0 + num_rows) of a piece's rows for one KV head; rows
  * are (query j, head g) as j * group + g. `scratch` holds
- * rows * (16 * KEY_BLOCK + 2 * head_dim + padded_keys + 1) + head_dim floats, 64-byte
- * aligned (the Python side rounds each thread's share up to 16 floats). A row's arithmetic does
- * not depend on which item or which other rows it shares an item with. */
+ * rows * (16 * KEY_BLOCK + 2 * head_dim + padded_keys + 1) + 2 * padded_keys * head_dim
+ * floats, 64-byte aligned (the Python side rounds each thread's share up to 16 floats).
+ * A row's arithmetic does not depend on which item or which other rows it shares an item
+ * with. */
 static void attend_rows(const Layer *L, const int32_t *blocks, int first_token, int first_pos,
                         int tree_start, const int64_t *tree_bits, int kvh, int row0,
                         int num_rows, float *scratch) {
@@ -252,39 +292,34 @@ static void attend_rows(const Layer *L, const int32_t *blocks, int first_token, 
     const int last_query = (row0 + rows - 1) / group;
     const int num_keys = first_pos + last_query + 1; /* the last query sees them all */
     const int padded = (num_keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
-    const size_t cache_item = L->cache_dtype == DTYPE_BFLOAT16 ? 2 : 4;
     v16 *lanes = (v16 *)scratch; /* [rows, KEY_BLOCK]: scratch is 64-byte aligned */
     float *qf = scratch + (size_t)rows * KEY_BLOCK * 16; /* [rows, dim] */
     float *acc = qf + (size_t)rows * dim;         /* [rows, dim] */
     float *weights = acc + (size_t)rows * dim;    /* [rows, padded] */
     float *total = weights + (size_t)rows * padded; /* [rows] */
-    float *row = total + rows;                    /* [dim] one key or value */
+    float *kf = total + rows;                     /* [num_keys, dim] the keys as float32 */
+    float *vf = kf + (size_t)padded * dim;        /* [num_keys, dim] the values */
     for (int i = 0; i < rows; i++) {
         const int j = (row0 + i) / group, g = (row0 + i) % group;
         const char *src = L->q + (int64_t)(first_token + j) * L->q_token_stride +
                           (int64_t)(kvh * group + g) * L->q_head_stride;
         load_row(qf + (size_t)i * dim, src, L->q_dtype, dim);
     }
+    gather_kv(L, blocks, kvh, num_keys, kf, vf);
     /* scores: weights[r, c] = scale * q[r] . k[c], lanes summed 16 keys at a time
      * (keys past num_keys score 0 here and are masked below) */
     for (int c0 = 0; c0 < num_keys; c0 += KEY_BLOCK) {
         const int n = num_keys - c0 < KEY_BLOCK ? num_keys - c0 : KEY_BLOCK;
         for (int c = c0; c < c0 + n; c++) {
-            int64_t slot = slot_of(blocks, c, L->block_size);
-            if (c + PREFETCH_KEYS < num_keys)
-                prefetch_row(L->k_cache, slot_of(blocks, c + PREFETCH_KEYS, L->block_size), L,
-                             kvh, dim * cache_item);
-            load_row(row, L->k_cache + (slot * L->num_kv_heads + kvh) * dim * cache_item,
-                     L->cache_dtype, dim);
+            const float *row = kf + (size_t)c * dim;
             for (int r = 0; r < rows; r += 4) { /* up to four rows' chains at once */
                 const float *qr = qf + (size_t)r * dim;
                 v16 *out = lanes + r * KEY_BLOCK + (c - c0);
-                switch (rows - r) {
-                case 1: dot_rows(qr, row, dim, out, 1); break;
-                case 2: dot_rows(qr, row, dim, out, 2); break;
-                case 3: dot_rows(qr, row, dim, out, 3); break;
-                default: dot_rows(qr, row, dim, out, 4); break;
-                }
+                const int n_rows = rows - r < 4 ? rows - r : 4;
+                /* common head sizes as constants, so the loop over dims unrolls */
+                if (dim == 64) dot_rows_any(qr, row, 64, out, n_rows);
+                else if (dim == 128) dot_rows_any(qr, row, 128, out, n_rows);
+                else dot_rows_any(qr, row, dim, out, n_rows);
             }
         }
         for (int r = 0; r < rows; r++) {
@@ -308,12 +343,11 @@ static void attend_rows(const Layer *L, const int32_t *blocks, int first_token, 
                 w[c] = visible ? w[c] : -INFINITY;
             }
         }
-        float max = -INFINITY;
-        for (int c = 0; c < seen; c++) max = w[c] > max ? w[c] : max;
+        float max = row_max(w, seen);
         for (int c = 0; c < padded; c++) w[c] = exp_nonpositive(w[c] - max);
     }
     /* values, key by key in key order */
-    values_rows(L, blocks, kvh, num_keys, weights, padded, acc, total, row, rows);
+    values_rows(vf, dim, num_keys, weights, padded, acc, total, rows);
     const size_t out_item = L->out_dtype == DTYPE_BFLOAT16 ? 2 : 4;
     for (int i = 0; i < rows; i++) {
         const int j = (row0 + i) / group, g = (row0 + i) % group;
@@ -367,6 +401,7 @@ int write_kv_slots(const char *k, int64_t k_token_stride, int64_t k_head_stride,
  * tree_bits: [num_tokens] int64, keys from the piece's tree start on are visible only
  * where their bit (key - tree start) is set (-1: all);
  * out: [num_tokens, heads, head_dim], contiguous, of out_dtype;
+ * row_chunk: rows per work item at most;
  * scratch: `scratch_floats` floats per thread; num_threads: OpenMP threads. */
 void paged_attention_pieces(
     const void *q, int64_t q_token_stride, int64_t q_head_stride, int q_dtype,
@@ -375,15 +410,14 @@ void paged_attention_pieces(
     const int32_t *piece_queries, const int32_t *piece_first_pos,
     const int32_t *piece_tree_start, const int64_t *tree_bits, int num_pieces,
     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
-    int out_dtype, float *scratch, int64_t scratch_floats, int num_threads) {
+    int out_dtype, int row_chunk, float *scratch, int64_t scratch_floats, int num_threads) {
     const Layer layer = {(const char *)q, q_token_stride, q_head_stride, q_dtype,
                          (const char *)k_cache, (const char *)v_cache, cache_dtype,
                          num_heads, num_kv_heads, head_dim, block_size, scale,
                          (char *)out, out_dtype};
-    /* A work item: a piece, a KV head and a chunk of at most ROW_CHUNK of its rows, so a
-     * verification step's one piece still spreads over the threads. */
+    /* A work item: a piece, a KV head and a chunk of at most row_chunk of its rows. */
     const int group = num_heads / num_kv_heads;
-    const int chunks = (PIECE_LEN_MAX * group + ROW_CHUNK - 1) / ROW_CHUNK;
+    const int chunks = (PIECE_LEN_MAX * group + row_chunk - 1) / row_chunk;
     const int64_t items = (int64_t)num_pieces * num_kv_heads * chunks;
     /* Many pieces (a decode batch): a thread takes a whole piece at a time, all its KV
      * heads' rows from the same cache lines; few: item by item, to spread them. */
@@ -398,11 +432,11 @@ void paged_attention_pieces(
         const int chunk = (int)(item % chunks);
         const int64_t head_item = item / chunks;
         const int p = (int)(head_item / num_kv_heads), kvh = (int)(head_item % num_kv_heads);
-        const int rows = piece_queries[p] * group, row0 = chunk * ROW_CHUNK;
+        const int rows = piece_queries[p] * group, row0 = chunk * row_chunk;
         if (row0 >= rows) continue;
         attend_rows(&layer, block_tables + (int64_t)piece_seq[p] * table_stride,
                     piece_token[p], piece_first_pos[p], piece_tree_start[p], tree_bits, kvh,
-                    row0, rows - row0 < ROW_CHUNK ? rows - row0 : ROW_CHUNK,
+                    row0, rows - row0 < row_chunk ? rows - row0 : row_chunk,
                     scratch + thread * scratch_floats);
     }
 }

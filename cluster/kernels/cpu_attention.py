@@ -26,12 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.kernels.attention_plan import PIECE_LEN, cut_pieces
+from cluster.kernels.attention_plan import cut_pieces
 from cluster.kernels.cpu_build import load_library
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 KEY_BLOCK = 16  # keys per block of scores in the kernel
-ROW_CHUNK = 8  # rows per work item in the kernel (its pieces hold at most PIECE_LEN queries)
+MAX_ROW_CHUNK = 24  # rows per work item in the kernel at most
+MIN_ROW_CHUNK = 4  # rows per work item below which a unit is not cut to spread it
 
 
 @functools.cache
@@ -48,7 +49,7 @@ def load() -> ctypes.CDLL | None:
         ptr, ptr, ptr, ptr, ptr,  # per piece: sequence, token, queries, first pos, tree start
         ptr, i32,  # tree_bits, number of pieces
         i32, i32, i32, i32, ctypes.c_float,  # heads, kv heads, head_dim, block size, scale
-        ptr, i32,  # out, dtype
+        ptr, i32, i32,  # out, dtype, rows per work item
         ptr, i64, i32,  # scratch, floats per thread, threads
     ]  # fmt: skip
     lib.write_kv_slots.restype = i32
@@ -88,6 +89,7 @@ class PiecePlan:
     tree_bits: torch.Tensor  # [num_tokens] int64: -1 where every key is visible
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, contiguous
     max_keys: int  # keys of the longest piece's context
+    max_queries: int  # queries of the longest piece
 
     @property
     def num_pieces(self) -> int:
@@ -126,6 +128,7 @@ def plan_pieces(
         bits,
         block_tables.to(torch.int32).contiguous(),
         max(seq_lens, default=1),
+        max((p.num_queries for p in pieces), default=1),
     )
 
 
@@ -164,6 +167,21 @@ def write_kv(
     return True
 
 
+def rows_per_item(max_rows: int, units: int, threads: int) -> int:
+    """Rows of a work item: a (piece, KV head) unit's `max_rows` rows in as few chunks as
+    keep `threads` busy. Each item reads its keys and values once, so fewer, larger items
+    cost less; a lone verification piece is cut so its items divide evenly among the
+    threads. (A row's result does not depend on the chunk it is in.)"""
+    chunks = 1
+    while (
+        (units * chunks) % threads
+        and units * chunks < 4 * threads
+        and max_rows >= (chunks + 1) * MIN_ROW_CHUNK
+    ):
+        chunks += 1
+    return max(1, min(MAX_ROW_CHUNK, -(-max_rows // chunks)))
+
+
 def paged_attention_cpu(
     q: torch.Tensor,  # [num_tokens, heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -184,9 +202,12 @@ def paged_attention_cpu(
     if plan.num_pieces == 0:
         return out
     threads = max(1, torch.get_num_threads())
-    rows = min(ROW_CHUNK, PIECE_LEN * heads // kv_heads)  # one work item's
+    group = heads // kv_heads
+    rows = rows_per_item(plan.max_queries * group, plan.num_pieces * kv_heads, threads)
     padded_keys = -(-plan.max_keys // KEY_BLOCK) * KEY_BLOCK
-    scratch_floats = rows * (16 * KEY_BLOCK + 2 * head_dim + padded_keys + 1) + head_dim
+    # per thread: score lanes, queries, value sums, weights, totals; keys and values as float32
+    scratch_floats = rows * (16 * KEY_BLOCK + 2 * head_dim + padded_keys + 1)
+    scratch_floats += 2 * padded_keys * head_dim
     scratch_floats = -(-scratch_floats // 16) * 16  # each thread's share 64-byte aligned
     scratch = torch.empty(threads * scratch_floats, dtype=torch.float32)
     item = q.element_size()
@@ -198,7 +219,7 @@ def paged_attention_cpu(
         plan.first_pos.data_ptr(), plan.tree_start.data_ptr(),
         plan.tree_bits.data_ptr(), plan.num_pieces,
         heads, kv_heads, head_dim, k_cache.shape[1], scale,
-        out.data_ptr(), _DTYPES[out.dtype],
+        out.data_ptr(), _DTYPES[out.dtype], rows,
         scratch.data_ptr(), scratch_floats, threads,
     )  # fmt: skip
     return out
