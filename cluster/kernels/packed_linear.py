@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from cluster.kernels import cpu_linear
 from cluster.kernels.cpu_isa import cpu_has_amx
+from cluster.kernels.library import define_op
 
 logger = logging.getLogger(__name__)
 
@@ -169,16 +170,15 @@ def _onednn_product(
     )
 
 
-@torch.library.custom_op("cluster::packed_linear", mutates_args=())
-def _packed_linear_op(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    """`packed_product` as one opaque op of a compiled graph."""
-    return packed_product(x, packed, bias, out_features)
-
-
-@_packed_linear_op.register_fake
-def _(
+def _packed_linear_fake(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
+
+
+# `packed_product` as one opaque op of a compiled graph
+define_op(
+    "packed_linear(Tensor x, Tensor packed, Tensor? bias, SymInt out_features) -> Tensor",
+    packed_product,
+    _packed_linear_fake,
+)

@@ -21,18 +21,20 @@ from __future__ import annotations
 import torch
 
 from cluster.kernels.backend import use_triton
+from cluster.kernels.library import define_op
 
 
-@torch.library.custom_op("cluster::mean_square", mutates_args=())
-def mean_square(h: torch.Tensor) -> torch.Tensor:
+def _mean_square(h: torch.Tensor) -> torch.Tensor:
     """[..., d] float32 -> [..., 1]: `h.pow(2).mean(-1, keepdim=True)` run by ATen (opaque
     to inductor, so a compiled graph sums in eager's order)."""
     return h.pow(2).mean(-1, keepdim=True)
 
 
-@mean_square.register_fake
-def _(h: torch.Tensor) -> torch.Tensor:
+def _mean_square_fake(h: torch.Tensor) -> torch.Tensor:
     return h.new_empty((*h.shape[:-1], 1))
+
+
+mean_square = define_op("mean_square(Tensor h) -> Tensor", _mean_square, _mean_square_fake)
 
 
 def rms_norm_ref(

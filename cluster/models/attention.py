@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from cluster.kernels.library import define_op
 from cluster.kernels.paged_attention import causal_attention
 
 
@@ -169,18 +170,20 @@ def _attend(
     return out
 
 
-# Opaque to the compiler, and never inside a captured CUDA graph: it reads the step's
-# metadata on the host each time it runs (inductor partitions the graph around it).
-@torch.library.custom_op("cluster::attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def _attention_op(
+def _attend_fake(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float
 ) -> torch.Tensor:
-    return _attend(q, k, v, layer_idx, scale)
-
-
-@_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+# Opaque to the compiler, and never inside a captured CUDA graph: it reads the step's
+# metadata on the host each time it runs (inductor partitions the graph around it).
+define_op(
+    "attention(Tensor q, Tensor k, Tensor v, SymInt layer_idx, float scale) -> Tensor",
+    _attend,
+    _attend_fake,
+    tags=(torch.Tag.cudagraph_unsafe,),
+)
 
 
 def attention(
