@@ -31,6 +31,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from cluster.kernels.library import define_op
 from cluster.models.attention import AttentionMetadata, current_metadata
 from cluster.models.gated_delta_chunked import chunked_delta_rule
 
@@ -205,29 +206,21 @@ def gated_delta_ref(
     return result
 
 
+def _gated_delta_fake(
+    mixed_qkv, g, beta, conv_weight, layer_idx, num_k_heads, head_k_dim, head_v_dim
+):
+    return mixed_qkv.new_empty(mixed_qkv.shape[0], g.shape[1], head_v_dim)
+
+
 # Opaque to the compiler, like attention: it reads the step's metadata and states when it
 # runs, and writes the kept states in place.
-@torch.library.custom_op(
-    "cluster::gated_delta", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+define_op(
+    "gated_delta(Tensor mixed_qkv, Tensor g, Tensor beta, Tensor conv_weight, SymInt layer_idx, "
+    "SymInt num_k_heads, SymInt head_k_dim, SymInt head_v_dim) -> Tensor",
+    gated_delta_ref,
+    _gated_delta_fake,
+    tags=(torch.Tag.cudagraph_unsafe,),
 )
-def _gated_delta_op(
-    mixed_qkv: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    conv_weight: torch.Tensor,
-    layer_idx: int,
-    num_k_heads: int,
-    head_k_dim: int,
-    head_v_dim: int,
-) -> torch.Tensor:
-    return gated_delta_ref(
-        mixed_qkv, g, beta, conv_weight, layer_idx, num_k_heads, head_k_dim, head_v_dim
-    )
-
-
-@_gated_delta_op.register_fake
-def _(mixed_qkv, g, beta, conv_weight, layer_idx, num_k_heads, head_k_dim, head_v_dim):
-    return mixed_qkv.new_empty(mixed_qkv.shape[0], g.shape[1], head_v_dim)
 
 
 def gated_delta(

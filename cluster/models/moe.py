@@ -26,6 +26,7 @@ from torch import nn
 
 from cluster.kernels.fp8_format import FP8Experts
 from cluster.kernels.fused_moe import fused_moe
+from cluster.kernels.library import define_op
 from cluster.models.expert_parallel import expert_parallel_experts
 from cluster.parallel import ParallelState, ReplicatedLinear
 from cluster.parallel.comm import all_reduce
@@ -54,8 +55,6 @@ def experts_by_expert(
     return out
 
 
-# Opaque to the compiler: the CPU path's per-expert row counts are data, not shapes.
-@torch.library.custom_op("cluster::fused_moe", mutates_args=())
 def _fused_moe_op(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -70,9 +69,17 @@ def _fused_moe_op(
     return fused_moe(x, w13, w2, top_ids, top_weights, fp8)
 
 
-@_fused_moe_op.register_fake
-def _(x, w13, w2, top_ids, top_weights, w13_scale, w2_scale, block):
+def _fused_moe_fake(x, w13, w2, top_ids, top_weights, w13_scale, w2_scale, block):
     return torch.empty_like(x)
+
+
+# Opaque to the compiler: the CPU path's per-expert row counts are data, not shapes.
+define_op(
+    "fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor top_ids, Tensor top_weights, "
+    "Tensor? w13_scale, Tensor? w2_scale, SymInt[]? block) -> Tensor",
+    _fused_moe_op,
+    _fused_moe_fake,
+)
 
 
 class SparseMoeBlock(nn.Module):
