@@ -5,10 +5,9 @@ RMSNorm's mean of squares, the MoE experts, the gated delta rule. `torch.library
 wraps each call in a few Python layers of its own; a SmolLM2 step makes 212 such calls,
 and inside a compiled graph each cost about 4 us more than an operator made with
 `Library.define` and `Library.impl` (2-core AMD EPYC): about 0.8 ms of a 12 ms decode
-step. `define_op`
-registers the latter way: one implementation for every device (the dispatcher's
-CompositeExplicitAutograd key, so inductor keeps the call opaque instead of tracing
-into it) and a fake for tracing. These operators are for inference: none has a
+step. `define_op` registers the latter way: one implementation for every device (the
+dispatcher's CompositeExplicitAutograd key, so inductor keeps the call opaque instead of
+tracing into it) and a fake for tracing. These operators are for inference: none has a
 gradient.
 
 The registrations live as long as the `torch.library.Library` object that made them,
