@@ -17,7 +17,7 @@ from cluster.kernels import cpu_linear, packed_linear
 from cluster.kernels.cpu_isa import cpu_has_amx
 
 needs_kernel = pytest.mark.skipif(
-    cpu_linear.load() is None, reason="no AVX-512 BF16 here, or the C kernel did not build"
+    cpu_linear.load() is None, reason="no AVX-512 BF16 or AVX2 here, or the C kernel did not build"
 )
 
 # (out, in): tails of 1, 16 and 31 outputs; K in one chunk, chunks of 512, chunks of 1024
@@ -87,6 +87,19 @@ def test_packing_picks_the_kernel_only_where_it_reproduces_onednn():
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight, packed_linear.PACK_ROWS_HINT)
         got = packed_linear.linear(x, weight, bias, packed)
         assert torch.equal(got, packed_linear.packed_product(x, onednn, bias, shape[0]))
+
+
+@needs_kernel
+def test_without_onednn_bfloat16_every_bfloat16_weight_takes_the_kernel(monkeypatch):
+    # as on AVX2 CPUs (AMD Zen 3): oneDNN has no bfloat16 product there
+    monkeypatch.setattr(packed_linear, "cpu_can_pack_bf16", lambda: False)
+    weight, bias, x = _data(100, 576, rows=5, seed=3)
+    assert packed_linear.can_pack(weight)
+    packed = packed_linear.pack_weight(weight)
+    assert not packed.is_mkldnn
+    got = packed_linear.linear(x, weight, bias, packed)
+    assert torch.equal(got, cpu_linear.linear_ref(x, weight, bias))
+    assert not packed_linear.can_pack(weight.float())
 
 
 def test_a_failed_build_packs_for_onednn(failing_c_compiler):

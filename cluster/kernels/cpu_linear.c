@@ -112,6 +112,129 @@ static void block_product(const uint16_t *x, int64_t rows, int64_t K, const uint
     }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* AVX2 with FMA and no bfloat16 instructions (AMD Zen 3, Intel before Cooper Lake): the
+ * same arithmetic as `vdpbf16ps`, so the same bits as the AVX-512 BF16 kernel above. A
+ * product of two bfloat16 values is exact in float32, so `fma(x, w, acc)` rounds once,
+ * as `vdpbf16ps` does each add; the odd input of a pair goes first. (`vdpbf16ps` also
+ * flushes sums below float32's normal range, about 1e-38, to zero; here they stay.)
+ * Weights are read as bfloat16, half the bytes of float32: a bfloat16 engine on such a
+ * CPU reads its weights at two bytes each and computes in float32. */
+
+#define BLOCK_N 32 /* outputs per weight block: four vectors of 8 float32 */
+#define ROW_GROUP 2 /* rows whose accumulators share the 16 registers in one pass */
+#define SLICE 32 /* input pairs per slice of a block: 32 x 128 bytes = 4 KiB */
+#define MAX_ROWS 32 /* rows per sweep over a block (their accumulators on the stack) */
+
+/* ROWS rows (1..ROW_GROUP) of x over input pairs [s0, s1) of one block; see the AVX-512
+ * `slice_rows` above. A 32-byte load holds 8 outputs' pairs: the high halves of its
+ * 32-bit lanes are the odd inputs' weights as float32, the low halves shifted up the even. */
+static inline __attribute__((always_inline)) void slice_rows(
+    const uint16_t *x, int64_t K, const uint16_t *block, int64_t s0, int64_t s1, int fresh,
+    int prefetch, __m256 *acc, const int ROWS) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 a[ROW_GROUP][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < 4; v++) a[r][v] = fresh ? _mm256_setzero_ps() : acc[4 * r + v];
+    for (int64_t i = s0; i < s1; i++) {
+        const uint16_t *w = block + i * 2 * BLOCK_N;
+        if (prefetch) {
+            _mm_prefetch((const char *)(w + SLICE * 2 * BLOCK_N), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + SLICE * 2 * BLOCK_N + 32), _MM_HINT_T0);
+        }
+        __m256 xo[ROW_GROUP], xe[ROW_GROUP];
+        for (int r = 0; r < ROWS; r++) {
+            uint32_t pair;
+            memcpy(&pair, x + r * K + 2 * i, sizeof pair);
+            const __m256i p = _mm256_set1_epi32((int)pair);
+            xo[r] = _mm256_castsi256_ps(_mm256_and_si256(p, high));
+            xe[r] = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+        }
+        for (int v = 0; v < 4; v++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 16 * v));
+            const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, high));
+            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+            for (int r = 0; r < ROWS; r++) {
+                a[r][v] = _mm256_fmadd_ps(xo[r], wo, a[r][v]);
+                a[r][v] = _mm256_fmadd_ps(xe[r], we, a[r][v]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < 4; v++) acc[4 * r + v] = a[r][v];
+}
+
+/* 8 float32 to bfloat16 as `vcvtneps2bf16` rounds: nearest even, inputs below the normal
+ * range as zero, NaN quiet. */
+static inline __m128i to_bf16(__m256 value) {
+    const __m256i bits = _mm256_castps_si256(value);
+    const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32((int)0x80000000u));
+    const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x00800000), magnitude);
+    const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F800000));
+    const __m256i flushed = _mm256_blendv_epi8(bits, sign, subnormal);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(flushed, 16), _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_add_epi32(flushed, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
+    const __m256i high = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+    const __m256i packed = _mm256_packus_epi32(high, high); /* per 128-bit lane */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+static void block_product(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *block,
+                          const uint16_t *bias, uint16_t *out, int64_t N, int64_t n0,
+                          int64_t k_block) {
+    __m256 acc[MAX_ROWS * 4], total[MAX_ROWS * 4];
+    const int64_t pairs = K / 2, chunk = k_block / 2;
+    for (int64_t p0 = 0; p0 < pairs; p0 += chunk) { /* oneDNN's K chunks */
+        const int64_t p1 = p0 + chunk < pairs ? p0 + chunk : pairs;
+        for (int64_t s0 = p0; s0 < p1; s0 += SLICE) {
+            const int64_t s1 = s0 + SLICE < p1 ? s0 + SLICE : p1;
+            for (int64_t m0 = 0; m0 < rows; m0 += ROW_GROUP) {
+                const uint16_t *xr = x + m0 * K;
+                __m256 *a = acc + 4 * m0;
+                const int fresh = s0 == p0, first = m0 == 0;
+                if (rows - m0 == 1)
+                    slice_rows(xr, K, block, s0, s1, fresh, first, a, 1);
+                else
+                    slice_rows(xr, K, block, s0, s1, fresh, first, a, 2);
+            }
+        }
+        for (int64_t j = 0; j < 4 * rows; j++)
+            total[j] = p0 == 0 ? acc[j] : _mm256_add_ps(total[j], acc[j]);
+    }
+    for (int v = 0; v < 4; v++) {
+        const int64_t n = n0 + 8 * v;
+        if (n >= N) break;
+        const int64_t left = N - n < 8 ? N - n : 8;
+        float b[8] = {0};
+        if (bias != NULL)
+            for (int64_t j = 0; j < left; j++) {
+                const uint32_t bits = (uint32_t)bias[n + j] << 16;
+                memcpy(&b[j], &bits, sizeof bits);
+            }
+        const __m256 bv = _mm256_loadu_ps(b);
+        for (int64_t r = 0; r < rows; r++) {
+            const __m256 t = total[4 * r + v];
+            const __m128i rounded = to_bf16(bias == NULL ? t : _mm256_add_ps(t, bv));
+            if (left == 8) {
+                _mm_storeu_si128((__m128i *)(out + r * N + n), rounded);
+            } else {
+                uint16_t lanes[8];
+                _mm_storeu_si128((__m128i *)lanes, rounded);
+                memcpy(out + r * N + n, lanes, (size_t)left * sizeof lanes[0]);
+            }
+        }
+    }
+}
+
+#endif
+
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+
 int bf16_linear_available(void) { return 1; }
 
 /* out [M, N] = x [M, K] @ w.T (+ bias [N]); w packed as above; K even. */
@@ -129,7 +252,7 @@ void bf16_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int
     }
 }
 
-#else /* no AVX-512 BF16: the Python side sees `bf16_linear_available() == 0` */
+#else /* neither: the Python side sees `bf16_linear_available() == 0` */
 
 int bf16_linear_available(void) { return 0; }
 

@@ -1,4 +1,4 @@
-"""bfloat16 linear layers in C for CPUs with AVX-512 BF16, in oneDNN's order of operations.
+"""bfloat16 linear layers in C, in oneDNN's order of operations on AVX-512 BF16 CPUs.
 
 oneDNN's bfloat16 product is slow for the few rows of a decode or verification step on
 the 2-core AMD EPYC this project measures on: a one-token product over SmolLM2's
@@ -9,6 +9,12 @@ K chunks of `onednn_k_block(K)`, one rounding), so on such a CPU it returns oneD
 `cluster.kernels.packed_linear` checks that once per weight shape (`reproduces_onednn`
 there) and uses this kernel only where it holds. Where oneDNN runs another order (AMX
 tiles on Intel Sapphire Rapids, another oneDNN version), it keeps oneDNN.
+
+On CPUs with AVX2 and FMA but no bfloat16 instructions (AMD Zen 3, older Intel), where
+torch's oneDNN has no bfloat16 product, the same file builds an AVX2 version with the
+same arithmetic (fused multiply-adds of exact products, in the same order): a bfloat16
+engine there reads its weights at two bytes each, returns the same bits as on a Zen 4,
+and stays batch invariant.
 
 Every output is one thread's and its arithmetic does not depend on the row count, so
 the product is batch invariant by construction. `linear_ref` is the torch reference: the
@@ -29,8 +35,8 @@ BLOCK_N = 32  # outputs per packed weight block (cpu_linear.c)
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None where it cannot be built or this CPU has no AVX-512
-    BF16 instructions."""
+    """The compiled kernel, or None where it cannot be built or this CPU has neither AVX-512
+    BF16 nor AVX2 with FMA."""
     lib = load_library("cpu_linear")
     if lib is None or not lib.bf16_linear_available():
         return None

@@ -21,11 +21,14 @@ a weight's shape on this CPU, checked once per shape on random data (`reproduces
 the weight is packed for it instead: it runs the few rows of decode and verification
 steps about twice as fast as oneDNN, and is no slower up to hundreds of rows (AMD EPYC).
 Its product is row invariant by construction, so every row count takes it. Elsewhere
-(oneDNN on AMX tiles, which round otherwise) the weight is packed for oneDNN.
+(oneDNN on AMX tiles, which round otherwise) the weight is packed for oneDNN. On CPUs
+where oneDNN has no bfloat16 product (AVX2 without bfloat16 instructions) the kernel's
+AVX2 build is the only packed path, and it replaces `F.linear`'s emulated bfloat16 (its
+bits are the AVX-512 BF16 kernel's, so a bfloat16 engine answers the same there).
 
 `linear_ref` (plain `F.linear`) is the reference and the path everywhere else: CUDA,
-float32, float16, CPUs without oneDNN's bfloat16 support, inputs that are not 2-D and
-autograd (training never packs). A compiled graph calls the packed product as the opaque
+float32, float16, CPUs with neither, inputs that are not 2-D and autograd (training
+never packs). A compiled graph calls the packed product as the opaque
 op `cluster::packed_linear`, with the packed weight as a graph input: the graph then runs
 the rows as eager steps do, and holds no weight, so inductor can cache it on disk
 (`cluster.models.compiled`).
@@ -71,24 +74,29 @@ def row_blocks(rows: int, block: int) -> list[tuple[int, int]]:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `weight` ([out, in]) runs faster prepacked: bfloat16 on a CPU with oneDNN."""
+    """Whether `weight` ([out, in]) runs faster prepacked: bfloat16 on a CPU with oneDNN's
+    bfloat16 support or our C kernel."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
-        and cpu_can_pack_bf16()
+        and (cpu_can_pack_bf16() or cpu_linear.supports(weight))
     )
 
 
 def pack_weight(weight: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
     """`weight` ([out, in] bfloat16 on CPU) packed for the faster of our C kernel (a plain
-    4-D tensor, where it reproduces oneDNN on this CPU) and oneDNN (an opaque tensor in
-    its blocked layout); `kernel="onednn"` packs for oneDNN in any case (benchmarks
-    compare the two). Only `linear` reads either."""
+    4-D tensor, where it reproduces oneDNN on this CPU, or where oneDNN has no bfloat16
+    product here) and oneDNN (an opaque tensor in its blocked layout); `kernel="onednn"`
+    packs for oneDNN in any case (benchmarks compare the two). Only `linear` reads either."""
     if kernel not in ("auto", "onednn"):
         raise ValueError(f"kernel must be 'auto' or 'onednn', got {kernel!r}")
     weight = weight.detach()
-    if kernel == "auto" and cpu_linear.supports(weight) and reproduces_onednn(*weight.shape):
+    if (
+        kernel == "auto"
+        and cpu_linear.supports(weight)
+        and (not cpu_can_pack_bf16() or reproduces_onednn(*weight.shape))
+    ):
         return cpu_linear.pack(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
 
