@@ -37,9 +37,11 @@ def test_compiled_bfloat16_norm_equals_eager_where_inductors_order_differs(monke
         want = rms_norm_ref(x, weight, 1e-5, residual)
         got = _compiled_norm(x, weight, residual)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rows
-    # with inductor's own reduction some of these rows round differently: the data
-    # exercises what the op fixes
+    # with inductor's own reduction some of these rows round differently where it sums in
+    # 16-lane vectors (AVX-512): the data exercises what the op fixes. (With AVX2's 8
+    # lanes, as on AMD Zen 3, inductor's order happens to be ATen's on these rows.)
     monkeypatch.setattr(rmsnorm, "mean_square", lambda h: h.pow(2).mean(-1, keepdim=True))
     torch._dynamo.reset()
     plain = _compiled_norm(x, weight, residual)
-    assert not torch.equal(plain[0], want[0])
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        assert not torch.equal(plain[0], want[0])
