@@ -49,7 +49,10 @@ def cpu_has_bf16_matmul() -> bool:
     if found:
         logger.info("CPU has bfloat16 matrix instructions (%s): dtype=auto is bfloat16", found)
     else:
-        logger.warning("this CPU has no bfloat16 matrix instructions: dtype=auto runs float32 here")
+        logger.warning(
+            "this CPU has no bfloat16 matrix instructions: dtype=auto runs float32 here "
+            "(dtype=bfloat16 runs our AVX2 bfloat16 kernel where the CPU has AVX2)"
+        )
     return bool(found)
 
 
