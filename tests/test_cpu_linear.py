@@ -100,6 +100,8 @@ def test_without_onednn_bfloat16_every_bfloat16_weight_takes_the_kernel(monkeypa
     got = packed_linear.linear(x, weight, bias, packed)
     assert torch.equal(got, cpu_linear.linear_ref(x, weight, bias))
     assert not packed_linear.can_pack(weight.float())
+    with pytest.raises(ValueError, match="no oneDNN bfloat16"):
+        packed_linear.pack_weight(weight, kernel="onednn")
 
 
 def test_a_failed_build_packs_for_onednn(failing_c_compiler):

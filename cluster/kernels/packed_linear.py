@@ -91,6 +91,8 @@ def pack_weight(weight: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
     packs for oneDNN in any case (benchmarks compare the two). Only `linear` reads either."""
     if kernel not in ("auto", "onednn"):
         raise ValueError(f"kernel must be 'auto' or 'onednn', got {kernel!r}")
+    if kernel == "onednn" and not cpu_can_pack_bf16():
+        raise ValueError("kernel='onednn': this torch has no oneDNN bfloat16 product on this CPU")
     weight = weight.detach()
     if (
         kernel == "auto"
