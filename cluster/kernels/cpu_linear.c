@@ -28,15 +28,26 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifdef __AVX512BF16__
-#include <immintrin.h>
-
-#define BLOCK_N 32 /* outputs per weight block: two vectors of 16 float32 */
-#define ROW_GROUP 4 /* rows whose accumulators share the registers in one pass */
+#define BLOCK_N 32 /* outputs per weight block */
+#define ROW_GROUP 4 /* rows whose accumulators share the registers in one pass (AVX2: their
+                     * 16 vectors fill the registers; 2 rows took 1.3-1.4x the time at 16) */
 #define SLICE 32 /* input pairs per slice of a block: 32 x 128 bytes = 4 KiB */
 #define MAX_ROWS 32 /* rows per sweep over a block (their accumulators on the stack) */
 /* weights (elements) between a pair being read and the one being prefetched (into L2) */
 #define PREFETCH_AHEAD (2 * SLICE * 2 * BLOCK_N)
+
+/* Each instruction set below defines `acc_t` (a vector of float32 accumulators),
+ * ACC_PER_ROW (vectors per row of a block's 32 outputs), `acc_add`, `slice_rows` (a row
+ * group's products over a slice) and `store_outputs` (bias, rounding, store); the sweep
+ * over a block (`block_product`) and the threads' split (`bf16_linear`) are shared. */
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+typedef __m512 acc_t; /* 16 float32 */
+#define ACC_PER_ROW 2
+
+static inline acc_t acc_add(acc_t a, acc_t b) { return _mm512_add_ps(a, b); }
 
 static inline __m512 bias_vector(const uint16_t *bias, int64_t n, int64_t N) {
     if (bias == NULL || n >= N) return _mm512_setzero_ps();
@@ -52,7 +63,7 @@ static inline __m512 bias_vector(const uint16_t *bias, int64_t n, int64_t N) {
  * they stream in from memory during this and the next slice's products. */
 static inline __attribute__((always_inline)) void slice_rows(
     const uint16_t *x, int64_t K, const uint16_t *block, int64_t s0, int64_t s1, int fresh,
-    int prefetch, __m512 *acc, const int ROWS) {
+    int prefetch, acc_t *acc, const int ROWS) {
     __m512 a[ROW_GROUP][2];
     for (int r = 0; r < ROWS; r++)
         for (int h = 0; h < 2; h++) a[r][h] = fresh ? _mm512_setzero_ps() : acc[2 * r + h];
@@ -76,33 +87,10 @@ static inline __attribute__((always_inline)) void slice_rows(
         for (int h = 0; h < 2; h++) acc[2 * r + h] = a[r][h];
 }
 
-/* `rows` (1..MAX_ROWS) rows of x against one weight block; writes their 32 outputs. The
- * block is read slice by slice (SLICE pairs, 4 KiB): a slice comes from memory once and
- * serves every row group from L1. */
-static void block_product(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *block,
-                          const uint16_t *bias, uint16_t *out, int64_t N, int64_t n0,
-                          int64_t k_block) {
-    __m512 acc[MAX_ROWS * 2], total[MAX_ROWS * 2];
-    const int64_t pairs = K / 2, chunk = k_block / 2;
-    for (int64_t p0 = 0; p0 < pairs; p0 += chunk) { /* oneDNN's K chunks */
-        const int64_t p1 = p0 + chunk < pairs ? p0 + chunk : pairs;
-        for (int64_t s0 = p0; s0 < p1; s0 += SLICE) {
-            const int64_t s1 = s0 + SLICE < p1 ? s0 + SLICE : p1;
-            for (int64_t m0 = 0; m0 < rows; m0 += ROW_GROUP) {
-                const uint16_t *xr = x + m0 * K;
-                __m512 *a = acc + 2 * m0;
-                const int fresh = s0 == p0, first = m0 == 0;
-                switch (rows - m0 < ROW_GROUP ? rows - m0 : ROW_GROUP) {
-                case 1: slice_rows(xr, K, block, s0, s1, fresh, first, a, 1); break;
-                case 2: slice_rows(xr, K, block, s0, s1, fresh, first, a, 2); break;
-                case 3: slice_rows(xr, K, block, s0, s1, fresh, first, a, 3); break;
-                default: slice_rows(xr, K, block, s0, s1, fresh, first, a, 4); break;
-                }
-            }
-        }
-        for (int64_t j = 0; j < 2 * rows; j++)
-            total[j] = p0 == 0 ? acc[j] : _mm512_add_ps(total[j], acc[j]);
-    }
+/* The 32 outputs of `rows` rows from their sums `total` (ACC_PER_ROW vectors a row): the
+ * bias added, rounded to bfloat16 (`vcvtneps2bf16`), outputs past N left out. */
+static inline void store_outputs(const acc_t *total, int64_t rows, const uint16_t *bias,
+                                 uint16_t *out, int64_t N, int64_t n0) {
     for (int h = 0; h < 2; h++) {
         const int64_t n = n0 + 16 * h;
         if (n >= N) break;
@@ -129,19 +117,17 @@ static void block_product(const uint16_t *x, int64_t rows, int64_t K, const uint
  * Weights are read as bfloat16, half the bytes of float32: a bfloat16 engine on such a
  * CPU reads its weights at two bytes each and computes in float32. */
 
-#define BLOCK_N 32 /* outputs per weight block: four vectors of 8 float32 */
-#define ROW_GROUP 4 /* rows per pass: their 16 accumulators fill the registers; the rest
-                     * reload from L1 (2 rows a pass took 1.3-1.4x the time at 16 rows) */
-#define SLICE 32 /* input pairs per slice of a block: 32 x 128 bytes = 4 KiB */
-#define MAX_ROWS 32 /* rows per sweep over a block (their accumulators on the stack) */
-#define PREFETCH_AHEAD (2 * SLICE * 2 * BLOCK_N) /* as in the AVX-512 build */
+typedef __m256 acc_t; /* 8 float32 */
+#define ACC_PER_ROW 4
+
+static inline acc_t acc_add(acc_t a, acc_t b) { return _mm256_add_ps(a, b); }
 
 /* ROWS rows (1..ROW_GROUP) of x over input pairs [s0, s1) of one block; see the AVX-512
  * `slice_rows` above. A 32-byte load holds 8 outputs' pairs: the high halves of its
  * 32-bit lanes are the odd inputs' weights as float32, the low halves shifted up the even. */
 static inline __attribute__((always_inline)) void slice_rows(
     const uint16_t *x, int64_t K, const uint16_t *block, int64_t s0, int64_t s1, int fresh,
-    int prefetch, __m256 *acc, const int ROWS) {
+    int prefetch, acc_t *acc, const int ROWS) {
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256 a[ROW_GROUP][4];
     for (int r = 0; r < ROWS; r++)
@@ -192,30 +178,9 @@ static inline __m128i to_bf16(__m256 value) {
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 
-static void block_product(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *block,
-                          const uint16_t *bias, uint16_t *out, int64_t N, int64_t n0,
-                          int64_t k_block) {
-    __m256 acc[MAX_ROWS * 4], total[MAX_ROWS * 4];
-    const int64_t pairs = K / 2, chunk = k_block / 2;
-    for (int64_t p0 = 0; p0 < pairs; p0 += chunk) { /* oneDNN's K chunks */
-        const int64_t p1 = p0 + chunk < pairs ? p0 + chunk : pairs;
-        for (int64_t s0 = p0; s0 < p1; s0 += SLICE) {
-            const int64_t s1 = s0 + SLICE < p1 ? s0 + SLICE : p1;
-            for (int64_t m0 = 0; m0 < rows; m0 += ROW_GROUP) {
-                const uint16_t *xr = x + m0 * K;
-                __m256 *a = acc + 4 * m0;
-                const int fresh = s0 == p0, first = m0 == 0;
-                switch (rows - m0 < ROW_GROUP ? rows - m0 : ROW_GROUP) {
-                case 1: slice_rows(xr, K, block, s0, s1, fresh, first, a, 1); break;
-                case 2: slice_rows(xr, K, block, s0, s1, fresh, first, a, 2); break;
-                case 3: slice_rows(xr, K, block, s0, s1, fresh, first, a, 3); break;
-                default: slice_rows(xr, K, block, s0, s1, fresh, first, a, 4); break;
-                }
-            }
-        }
-        for (int64_t j = 0; j < 4 * rows; j++)
-            total[j] = p0 == 0 ? acc[j] : _mm256_add_ps(total[j], acc[j]);
-    }
+/* As the AVX-512 `store_outputs`: bias, rounding as `vcvtneps2bf16`, outputs past N out. */
+static inline void store_outputs(const acc_t *total, int64_t rows, const uint16_t *bias,
+                                 uint16_t *out, int64_t N, int64_t n0) {
     for (int v = 0; v < 4; v++) {
         const int64_t n = n0 + 8 * v;
         if (n >= N) break;
@@ -244,6 +209,36 @@ static void block_product(const uint16_t *x, int64_t rows, int64_t K, const uint
 #endif
 
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+
+/* `rows` (1..MAX_ROWS) rows of x against one weight block; writes their 32 outputs. The
+ * block is read slice by slice (SLICE pairs, 4 KiB): a slice comes from memory once and
+ * serves every row group from L1. */
+static void block_product(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *block,
+                          const uint16_t *bias, uint16_t *out, int64_t N, int64_t n0,
+                          int64_t k_block) {
+    acc_t acc[MAX_ROWS * ACC_PER_ROW], total[MAX_ROWS * ACC_PER_ROW];
+    const int64_t pairs = K / 2, chunk = k_block / 2;
+    for (int64_t p0 = 0; p0 < pairs; p0 += chunk) { /* oneDNN's K chunks */
+        const int64_t p1 = p0 + chunk < pairs ? p0 + chunk : pairs;
+        for (int64_t s0 = p0; s0 < p1; s0 += SLICE) {
+            const int64_t s1 = s0 + SLICE < p1 ? s0 + SLICE : p1;
+            for (int64_t m0 = 0; m0 < rows; m0 += ROW_GROUP) {
+                const uint16_t *xr = x + m0 * K;
+                acc_t *a = acc + ACC_PER_ROW * m0;
+                const int fresh = s0 == p0, first = m0 == 0;
+                switch (rows - m0 < ROW_GROUP ? rows - m0 : ROW_GROUP) {
+                case 1: slice_rows(xr, K, block, s0, s1, fresh, first, a, 1); break;
+                case 2: slice_rows(xr, K, block, s0, s1, fresh, first, a, 2); break;
+                case 3: slice_rows(xr, K, block, s0, s1, fresh, first, a, 3); break;
+                default: slice_rows(xr, K, block, s0, s1, fresh, first, a, 4); break;
+                }
+            }
+        }
+        for (int64_t j = 0; j < ACC_PER_ROW * rows; j++)
+            total[j] = p0 == 0 ? acc[j] : acc_add(total[j], acc[j]);
+    }
+    store_outputs(total, rows, bias, out, N, n0);
+}
 
 int bf16_linear_available(void) { return 1; }
 
